@@ -1,0 +1,79 @@
+"""`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
+
+PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
+checkpoint is inspected, and every checkpoint is listed with its validity).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import io
+
+
+def inspect_checkpoint(folder: Path) -> dict:
+    """Verify `folder` against its manifest and describe it; raises CheckpointError if it is not valid."""
+    manifest = io.verify(folder)
+    payload = io.safe_load(folder / io.RESUME_FILE)
+    train = payload["train"]
+    sha = io.model_sha256(payload["model"])
+    optimizer_bytes = sum(t.numel() * t.element_size() for st in payload["optimizer"]["state"].values() for t in st.values() if hasattr(t, "numel"))
+    return {
+        "path": str(folder),
+        "step": train["step"],
+        "epoch": train["epoch"],
+        "samples_seen": train["samples_seen"],
+        "world_size": payload["world_size"],
+        "global_batch": payload["global_batch"],
+        "micro_batch": payload["micro_batch"],
+        "accum": payload["accum"],
+        "threads": payload.get("threads"),
+        "reduce": payload.get("reduce"),
+        "run_id": payload.get("run_id"),
+        "model_sha256": sha,
+        "manifest_model_sha256_matches": manifest.get("model_sha256") == sha,
+        # Tied tensors share storage: count each storage once.
+        "parameters": sum(t.numel() for t in {t.untyped_storage().data_ptr(): t for t in payload["model"].values()}.values()),
+        "optimizer_state_bytes": optimizer_bytes,
+        "ranks_with_rng_state": len(payload.get("rng") or []),
+        "data_fingerprint": {k: payload["data_fingerprint"].get(k) for k in ("source", "source_sha256", "tokenizer", "seq_len", "num_samples")},
+        "files": {name: entry["bytes"] for name, entry in manifest["files"].items()},
+    }
+
+
+def inspect_path(path: Path) -> dict:
+    if (path / io.MANIFEST).exists():
+        return inspect_checkpoint(path)
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    listing, newest = [], None
+    for step, folder in io.list_checkpoints(root):
+        try:
+            io.verify(folder)
+            listing.append({"step": step, "path": str(folder), "valid": True})
+            newest = newest or folder
+        except io.CheckpointError as e:
+            listing.append({"step": step, "path": str(folder), "valid": False, "error": str(e)})
+    if newest is None:
+        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
+    return {**inspect_checkpoint(newest), "checkpoints": listing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("inspect", help="print a checkpoint's step, geometry, model_sha256 and files as JSON")
+    p.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        print(json.dumps(inspect_path(args.path), indent=1))
+    except io.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

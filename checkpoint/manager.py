@@ -1,0 +1,325 @@
+"""The checkpoint manager: the loop's two calls, `load()` at start-up and `save(step)` after a step.
+
+It takes the run's stateful pieces as a dict (name -> object with `state_dict()` /
+`load_state_dict()`) and knows nothing of their insides, except that "model" also goes into the
+fp16 weights file for inference. Only global rank 0 writes; every rank takes part in the decisions
+(which checkpoint, did the save succeed) so that no rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from configs import CheckpointConfig
+from runtime import Runtime
+
+from . import io, rng
+
+log = logging.getLogger("minimind")
+RESUME_FORMAT = "minimind-resume/1"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> Any: ...
+
+
+@dataclass
+class TrainState:
+    """Where the run is: optimizer steps done, and the epoch and samples consumed in it (DESIGN.md I2)."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.samples_seen = int(state["step"]), int(state["epoch"]), int(state["samples_seen"])
+
+
+@dataclass
+class Resumed:
+    """What `load()` found: the checkpoint's folder and the geometry it was written under."""
+
+    path: Path
+    step: int
+    world_size: int
+    micro_batch: int
+    threads: int | None
+    run_id: str
+
+
+def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
+    """A deep copy with every tensor in (pinned) CPU memory: the snapshot an async save works from.
+    Tensors that share memory (tied embeddings) stay shared, so the file matches a sync save's."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
+        if key not in memo:
+            if pin:
+                memo[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach())
+            else:
+                memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        out = type(obj)((k, _to_cpu_copy(v, pin, memo)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu_copy(v, pin, memo) for v in obj)
+    return obj
+
+
+def half_weights(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp16 copy for inference (MiniMind's convention); tied tensors stay one tensor."""
+    seen: dict[int, torch.Tensor] = {}
+    out = {}
+    for k, v in model_state.items():
+        key = v.untyped_storage().data_ptr() if v.numel() else id(v)
+        if key not in seen:
+            seen[key] = v.detach().to("cpu", torch.float16) if v.is_floating_point() else v.detach().cpu()
+        out[k] = seen[key]
+    return out
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop metrics lines past `step` (and any half-written line) so a resumed log equals an
+    uninterrupted one (DESIGN.md I11). Returns the number of lines kept."""
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class CheckpointManager:
+    """`load(states)` once, `save(step, states)` at every optimizer-step boundary, `close()` at the end.
+
+    `meta` describes the run (world_size, global_batch, micro_batch, accum, threads, config,
+    data_fingerprint, run_id) and goes into every resume file and manifest.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, out_dir: Path, rt: Runtime, meta: dict) -> None:
+        self.cfg, self.rt, self.meta = cfg, rt, dict(meta)
+        self.root = Path(out_dir) / "checkpoints"
+        self.metrics_path = Path(out_dir) / "metrics.jsonl"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if cfg.async_ and rt.is_main else None
+        self._pending: Future | None = None
+        self._error: BaseException | None = None
+        self.last_saved_step: int | None = None
+
+    # ---------------------------------------------------------------- load
+    def _choose(self) -> Path | None:
+        """Rank 0: the checkpoint to resume from, per checkpoint.resume."""
+        mode = self.cfg.resume
+        if mode == "never":
+            return None
+        if mode != "auto":
+            path = Path(mode)
+            if not (path / io.MANIFEST).exists() and path.is_dir() and (path / "checkpoints").is_dir():
+                raise io.CheckpointError(f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, or use checkpoint.resume=auto with out_dir={mode}")
+            io.verify(path)  # an explicit path must verify or the run fails
+            return path
+        for step, path in io.list_checkpoints(self.root):
+            try:
+                io.verify(path)
+                return path
+            except io.CheckpointError as e:
+                log.warning("skipping checkpoint step %d: %s", step, e)
+        return None
+
+    def load(self, states: dict[str, Stateful]) -> Resumed | None:
+        """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start)."""
+        t0 = time.monotonic()
+        choice: Any = None
+        if self.rt.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for p in io.clear_temporaries(self.root):
+                log.info("removed %s, left by an interrupted save", p)
+            try:
+                path = self._choose()
+                choice = {"path": str(path) if path else None}
+            except io.CheckpointError as e:
+                choice = {"error": str(e)}
+        choice = self.rt.broadcast(choice)
+        if "error" in choice:
+            raise io.CheckpointError(choice["error"])
+        if choice["path"] is None:
+            if self.rt.is_main:
+                truncate_metrics(self.metrics_path, 0)
+            return None
+
+        path = Path(choice["path"])
+        error = None
+        try:
+            payload = io.safe_load(path / io.RESUME_FILE)
+            self._check_compatible(path, payload)
+            for name, obj in states.items():
+                if name not in payload:
+                    raise io.CheckpointError(f"{path / io.RESUME_FILE}: no '{name}' state in the resume file")
+                obj.load_state_dict(payload[name])
+            self._restore_rng(payload)
+        except io.CheckpointError as e:
+            error = str(e)
+        errors = self.rt.all_gather(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            r, e = failed[0]
+            raise io.CheckpointError(e if r == self.rt.rank or not error else error)
+
+        train = payload["train"]
+        self.meta["run_id"] = payload.get("run_id", self.meta.get("run_id"))
+        if self.rt.is_main:
+            truncate_metrics(self.metrics_path, train["step"])
+        resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"), self.meta["run_id"])
+        log.info("loaded %s: step %d, epoch %d, %.2fs", path, train["step"], train["epoch"], time.monotonic() - t0)
+        self._log_rescale(resumed, train)
+        if resumed.threads is not None and resumed.threads != self.meta.get("threads"):
+            log.warning(
+                "the checkpoint was written with %s intra-op threads per process, this run uses %s: "
+                "floating-point results differ, so bit-equality with an uninterrupted run is not promised",
+                resumed.threads, self.meta.get("threads"),
+            )
+        return resumed
+
+    def _log_rescale(self, r: Resumed, train: dict) -> None:
+        w, micro, accum = self.meta["world_size"], self.meta["micro_batch"], self.meta["accum"]
+        skip = (train["samples_seen"] // self.meta["global_batch"]) * accum
+        where = f"step {r.step} resumes at sample {train['samples_seen']} of epoch {train['epoch']}, skipping {skip} micro-batches per rank"
+        if r.world_size != w or r.micro_batch != micro:
+            log.info("world size %d → %d, micro batch %d → %d: %s", r.world_size, w, r.micro_batch, micro, where)
+        else:
+            log.info("%s", where)
+
+    def _check_compatible(self, path: Path, payload: dict) -> None:
+        """A resume under another model, corpus, global batch or seed is an error naming each field."""
+        if not isinstance(payload, dict) or payload.get("format") != RESUME_FORMAT:
+            raise io.CheckpointError(f"{path / io.RESUME_FILE}: not a resume file of this trainer (format {payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
+        ours, theirs = self.meta["config"], payload.get("config", {})
+        diffs = []
+        for k in sorted(set(ours["model"]) | set(theirs.get("model", {}))):
+            a, b = theirs.get("model", {}).get(k), ours["model"].get(k)
+            if a != b:
+                diffs.append(f"model.{k} is {a} in the checkpoint, {b} in this run")
+        for label, a, b in (
+            ("seed", theirs.get("seed"), ours["seed"]),
+            ("train.global_batch", payload.get("global_batch"), self.meta["global_batch"]),
+        ):
+            if a != b:
+                diffs.append(f"{label} is {a} in the checkpoint, {b} in this run")
+        fa, fb = payload.get("data_fingerprint", {}), self.meta["data_fingerprint"]
+        for k in ("source_sha256", "tokenizer", "seq_len", "num_samples"):
+            if fa.get(k) != fb.get(k):
+                diffs.append(f"data {k} is {fa.get(k)} in the checkpoint, {fb.get(k)} in this run")
+        if diffs:
+            raise io.CheckpointError(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
+
+    def _restore_rng(self, payload: dict) -> None:
+        states = payload.get("rng") or []
+        if self.rt.rank < len(states):
+            rng.restore(states[self.rt.rank], self.rt.device)
+        else:
+            # A rank that did not exist before: its generators get a seed-derived state.
+            rng.seed_all(rng.derive_seed(self.meta["config"]["seed"], self.rt.rank, payload["train"]["step"]))
+            log.warning("rank %d has no saved RNG state (the checkpoint had %d ranks); seeded it from (seed, rank, step)",
+                        self.rt.rank, len(states))
+
+    # ---------------------------------------------------------------- save
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.interval) and step % self.cfg.interval == 0
+
+    def save(self, step: int, states: dict[str, Stateful], train: TrainState) -> None:
+        """Save at this optimizer-step boundary (DESIGN.md I7): called by every rank, rank 0 writes.
+
+        Synchronous: returns once the checkpoint is published, and raises on every rank if it was
+        not. Asynchronous: returns after the snapshot; a failure surfaces at the next boundary.
+        """
+        t0 = time.monotonic()
+        rng_states = self.rt.gather(rng.capture(self.rt.device))  # a collective: every rank
+        failed = False
+        if self.rt.is_main:
+            self.wait()  # the previous async save, before a new one
+            pin = self._pool is not None and self.rt.device.type == "cuda"
+            snapshot = {name: obj.state_dict() for name, obj in states.items()}
+            if self._pool is not None:
+                snapshot = _to_cpu_copy(snapshot, pin)
+                self._pending = self._pool.submit(self._write, step, snapshot, rng_states, train.state_dict(), t0)
+                log.info("checkpoint step %d: snapshot taken in %.3fs, writing in the background", step, time.monotonic() - t0)
+            else:
+                try:
+                    self._write(step, snapshot, rng_states, train.state_dict(), t0)
+                except io.CheckpointError as e:
+                    self._error, failed = e, True
+        if self._pool is None and self.rt.any(failed):
+            self.raise_failure()
+
+    def _write(self, step: int, snapshot: dict, rng_states: list, train: dict, t0: float) -> None:
+        model_state = snapshot["model"]
+        resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **self._meta_for(train)}
+        files = {io.RESUME_FILE: resume, io.WEIGHTS_FILE: half_weights(model_state)}
+        manifest = {**train, **{k: v for k, v in self._meta_for(train).items() if k != "data_fingerprint"},
+                    "model_sha256": io.model_sha256(model_state), "created_unix": time.time()}
+        final = io.publish(self.root, step, files, manifest)
+        pruned = io.prune(self.root, self.cfg.keep)
+        self.last_saved_step = step
+        log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
+                 f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
+
+    def _meta_for(self, train: dict) -> dict:
+        keys = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "config", "data_fingerprint", "run_id")
+        return {k: self.meta.get(k) for k in keys}
+
+    # ---------------------------------------------------------------- async bookkeeping
+    def wait(self) -> None:
+        """Rank 0: block until the pending background save is done; keep its error for `failed`."""
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except BaseException as e:  # surfaced through failed() / raise_failure(), never lost
+                self._error = e
+            self._pending = None
+
+    @property
+    def failed(self) -> bool:
+        """Rank 0: did a background save fail? Non-blocking; the loop sums this over ranks."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+        return self._error is not None
+
+    def raise_failure(self) -> None:
+        """Raise on every rank once the ranks agreed that a save failed."""
+        if self._error is not None:
+            raise io.CheckpointError(str(self._error)) from self._error
+        raise io.CheckpointError("rank 0 failed to save a checkpoint (its log has the cause); stopping")
+
+    def close(self) -> None:
+        """Drain the pending save (end of run, halt, stop); raise if it failed, on every rank."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.rt.any(self._error is not None):
+            self.raise_failure()
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]

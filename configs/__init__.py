@@ -1,0 +1,291 @@
+"""The run's configuration: one typed tree of dataclasses, read from YAML, overridden from the CLI.
+
+Precedence: dataclass defaults < the YAML file < `key=value` arguments (dotted keys, values parsed
+as YAML scalars). An unknown key or a value of the wrong type is a `ConfigError` that names the key
+and what was expected. `python train.py --help` lists every key with its default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from model.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+
+
+def _positive(key: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key}: expected a {'non-negative' if zero_ok else 'positive'} number, got {value}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps of the whole run (the LR schedule spans them)."""
+    global_batch: int = 32
+    """Samples per optimizer step over all ranks: fixed for a run, checked on resume."""
+    micro_batch: int = 8
+    """Samples per forward/backward; accumulation = global_batch / (micro_batch * world size)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine ends at lr * min_lr_ratio (MiniMind: 10%)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    halt_at: int = 0
+    """Save and exit 0 after this optimizer step, as a planned stop (0: off)."""
+    dtype: str = "float32"
+    """float32 | bfloat16 | float16 (autocast; float16 uses a GradScaler, CUDA only)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "global_batch", "micro_batch"):
+            _positive(f"train.{key}", getattr(self, key))
+        for key in ("lr", "grad_clip", "weight_decay", "warmup_steps", "halt_at"):
+            _positive(f"train.{key}", getattr(self, key), zero_ok=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
+        _choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"
+    """A MiniMind pretrain JSONL file ({"text": ...} per line), or 'stdlib' for the built-in corpus."""
+    cache_dir: str = "data/cache"
+    """Where packed token files (and the built-in corpus) are kept."""
+    num_samples: int = 0
+    """Use only the first N packed samples (0: all)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+    def __post_init__(self) -> None:
+        _positive("data.num_samples", self.num_samples, zero_ok=True)
+        _positive("data.num_workers", self.num_workers, zero_ok=True)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 50
+    """Save every N optimizer steps (0: only at the end, at train.halt_at and on a stop signal)."""
+    keep: int = 3
+    """Newest checkpoints kept (at least 2); older ones are pruned after a new one is published."""
+    async_: bool = field(default=False, metadata={"key": "async"})
+    """Serialize, hash and publish in a background thread after a copy to CPU memory."""
+    resume: str = "auto"
+    """auto (newest valid checkpoint in out_dir) | never | a checkpoint folder."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.interval", self.interval, zero_ok=True)
+        if self.keep < 2:
+            raise ConfigError(f"checkpoint.keep: expected at least 2, got {self.keep}")
+
+
+@dataclass
+class DistConfig:
+    reduce: str = "ddp"
+    """ddp (DistributedDataParallel) | canonical (world-size-invariant gradient sum)."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
+    timeout_s: int = 600
+    """Collective timeout."""
+
+    def __post_init__(self) -> None:
+        _choice("dist.reduce", self.reduce, ("ddp", "canonical"))
+        _choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
+        _positive("dist.timeout_s", self.timeout_s)
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"
+    """auto (CUDA when present) | cpu | cuda."""
+    threads: int = 0
+    """Intra-op threads per process; 0: 1 under dist.reduce=canonical, else cores / local processes."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) and, on CUDA, CUBLAS_WORKSPACE_CONFIG and cuDNN flags."""
+
+    def __post_init__(self) -> None:
+        _choice("runtime.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("runtime.threads", self.threads, zero_ok=True)
+
+
+@dataclass
+class LogConfig:
+    sample_ids: bool = False
+    """Record each step's global sample indices in metrics.jsonl."""
+    every: int = 10
+    """Print a line every N steps on rank 0 (metrics.jsonl gets every step)."""
+    progress: bool = True
+    """Show a tqdm bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        _positive("log.every", self.every)
+
+
+@dataclass
+class Config:
+    out_dir: str = "runs/tiny"
+    """Run folder: config.yaml, metrics.jsonl, checkpoints/."""
+    seed: int = 1337
+    """Seeds the model's init, the data order (seed + epoch) and every in-step draw."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: dict, prefix: str, source: str, construct: bool = True) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key '{full}' (known keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(fields)})")
+        f = fields[key]
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{full}' must be a mapping of {typ.__name__} keys, got {value!r}")
+            kwargs[f.name] = _build(typ, value, f"{full}.", source, construct)
+        else:
+            kwargs[f.name] = _coerce(f"{source}: {full}", value, typ)
+    if not construct:  # keys and types only: cross-field checks wait for the merged tree
+        return kwargs
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # ModelConfig's own validation
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain dict of a config (YAML/JSON-ready, with the YAML key names)."""
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["train.lr=3e-4", "seed=1"]` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: expected key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"command line: {key} conflicts with another override")
+        node[parts[-1]] = value
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < YAML file at `path` < `overrides` ("a.b=value")."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+        _build(Config, loaded, "", str(path), construct=False)  # key and type errors name the file
+        data = loaded
+    cli = parse_overrides(overrides or [])
+    _build(Config, cli, "", "command line", construct=False)
+    return _build(Config, _merge(data, cli), "", "config")
+
+
+def describe() -> str:
+    """Every key with its default and docstring, for --help."""
+    import ast
+    import inspect
+
+    def docs(cls: type) -> dict[str, str]:
+        out, tree = {}, ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                out[a.target.id] = " ".join(str(b.value.value).split())
+        return out
+
+    lines = []
+
+    def walk(cls: type, obj: Any, prefix: str) -> None:
+        d = docs(cls)
+        for f in dataclasses.fields(cls):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(type(v), v, f"{prefix}{_key(f)}.")
+            else:
+                lines.append(f"  {prefix}{_key(f)} = {v!r}" + (f"  # {d[f.name]}" if f.name in d else ""))
+
+    walk(Config, Config(), "")
+    return "\n".join(lines)

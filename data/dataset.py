@@ -1,0 +1,38 @@
+"""The packed dataset: sample index -> (input, target), read from a memmap, never loaded whole."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class PackedDataset(Dataset):
+    """Samples of `seq_len + 1` tokens; `num_samples` > 0 keeps only the first N."""
+
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0) -> None:
+        self.bin_path, self.row = Path(bin_path), seq_len + 1
+        available = self.bin_path.stat().st_size // (2 * self.row)
+        if num_samples > available:
+            raise ValueError(f"data.num_samples={num_samples} but {self.bin_path} holds only {available} samples")
+        self.n = num_samples or available
+        self._data: np.ndarray | None = None
+
+    def _rows(self) -> np.ndarray:
+        # Opened lazily so that DataLoader workers each map the file instead of pickling it.
+        if self._data is None:
+            self._data = np.memmap(self.bin_path, dtype=np.uint16, mode="r").reshape(-1, self.row)
+        return self._data
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_data": None}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        row = torch.from_numpy(self._rows()[index].astype(np.int64))
+        return row[:-1], row[1:]

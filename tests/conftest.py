@@ -1,0 +1,47 @@
+"""Shared fixtures: a small deterministic corpus and a tiny model, so that launches stay short."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+WORDS = (
+    "the a model data step epoch resume checkpoint rank world size batch order seed loss weight "
+    "optimizer state signal save load file folder sample token byte train run stop kill exact bit "
+    "sum gradient learning rate schedule warm cosine process gloo torch python yaml config key value"
+).split()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 60 KB of pseudo-text in MiniMind's JSONL format, the same every run."""
+    rnd = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    with open(path, "w") as f:
+        for _ in range(600):
+            words = [rnd.choice(WORDS) for _ in range(rnd.randint(5, 30))]
+            f.write(json.dumps({"text": " ".join(words).capitalize() + "."}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny(corpus, cache_dir) -> list[str]:
+    """Overrides for a ~40K-parameter model on the test corpus (about 1,800 samples of 32 tokens)."""
+    return [
+        f"data.path={corpus}", f"data.cache_dir={cache_dir}",
+        "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32",
+        "train.global_batch=8", "train.micro_batch=2", "train.steps=20", "train.warmup_steps=3", "train.lr=3e-3",
+        "checkpoint.interval=0", "log.progress=false",
+    ]

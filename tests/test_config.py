@@ -1,0 +1,55 @@
+import pytest
+import yaml
+
+from configs import Config, ConfigError, load_config, to_dict
+
+
+def test_defaults_then_file_then_command_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("seed: 5\ntrain:\n  lr: 1.0e-3\n  steps: 7\nmodel:\n  dim: 64\n")
+    cfg = load_config(f, ["train.lr=3e-4", "checkpoint.async=true"])
+    assert cfg.seed == 5 and cfg.train.steps == 7 and cfg.model.dim == 64  # from the file
+    assert cfg.train.lr == 3e-4 and cfg.checkpoint.async_ is True  # the command line wins
+    assert cfg.train.global_batch == Config().train.global_batch  # defaults fill the rest
+
+
+def test_the_shipped_configs_load():
+    tiny = load_config("configs/tiny.yaml")
+    assert tiny.model.seq_len == 128
+    small = load_config("configs/minimind2_small.yaml")
+    assert (small.model.dim, small.model.n_layers, small.model.n_heads, small.model.n_kv_heads) == (512, 8, 8, 2)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.lrr=1", "unknown key 'train.lrr'"),
+    ("nosuch=1", "unknown key 'nosuch'"),
+    ("train.steps=many", r"train.steps: expected int, got 'many'"),
+    ("log.sample_ids=3", r"log.sample_ids: expected bool"),
+    ("dist.reduce=fastest", r"dist.reduce: expected one of ddp, canonical, got 'fastest'"),
+    ("checkpoint.keep=1", r"checkpoint.keep: expected at least 2"),
+    ("model.n_heads=3", r"model.dim \(128\) must be divisible by model.n_heads \(3\)"),
+    ("train.steps", "expected key=value"),
+])
+def test_a_bad_override_is_an_error_naming_the_key_and_what_was_expected(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_a_bad_file_is_an_error_naming_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'train.stepz'"):
+        load_config(f)
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: expected a mapping"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"missing.yaml does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_the_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["train.steps=3", "checkpoint.async=true", "train.lr=1e-4"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(yaml.safe_dump(to_dict(cfg)))
+    assert to_dict(load_config(f)) == to_dict(cfg)
+    assert "async" in yaml.safe_load(f.read_text())["checkpoint"]

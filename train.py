@@ -1,0 +1,242 @@
+"""Train the MiniMind-style LM, resumably.
+
+    python train.py --config configs/tiny.yaml [key=value ...]
+    torchrun --standalone --nproc_per_node=N train.py --config configs/tiny.yaml [key=value ...]
+
+Stop it at any moment and run the same command again: it resumes from the newest valid checkpoint
+in out_dir and ends bit-for-bit where the uninterrupted run would (README, "Resuming").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+import runtime
+from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, StopFlag, TrainState, model_sha256, new_run_id
+from checkpoint.rng import derive_seed, seed_all
+from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
+from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack, resolve_source
+from data.prepare import unigram_entropy
+from model import MiniMindLM
+
+log = logging.getLogger("minimind")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """LR of optimizer step `step` (0-based): linear warm-up, then cosine down to min_lr_ratio * lr.
+    A pure function of the step (DESIGN.md I5), so only the step is saved."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, dict]:
+    """Pack the corpus once per node (local rank 0), then every rank maps the same file."""
+    cache = Path(cfg.data.cache_dir)
+    result = None
+    if rt.local_rank == 0:
+        try:
+            bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
+            result = {"bin": str(bin_path), "meta": meta}
+        except DataError as e:
+            result = {"error": str(e)}
+    # Everyone waits for the packer, and fails together if it failed.
+    results = rt.all_gather(result)
+    errors = [r["error"] for r in results if r and "error" in r]
+    if errors:
+        raise DataError(errors[0])
+    mine = result or next(r for r in results if r)  # ranks without a packer use rank 0's answer
+    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples)
+    fingerprint = {**mine["meta"], "num_samples": len(dataset)}
+    return dataset, fingerprint
+
+
+def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg: Config, rt) -> Iterator[tuple[int, int, list]]:
+    """(epoch, step_in_epoch, this rank's micro-batches) for every optimizer step from start_step on.
+
+    Each epoch gets a fresh loader over `sampler.set_epoch(epoch)` and a SkipBatchSampler that skips
+    what this rank's stream already consumed: `step_in_epoch * accum` (DESIGN.md I4).
+    """
+    plan, spe = sampler.plan, sampler.plan.steps_per_epoch(len(dataset))
+    epoch, s = divmod(start_step, spe)
+    while True:
+        sampler.set_epoch(epoch)  # before the loader's iterator exists, so workers prefetch this epoch
+        loader = DataLoader(
+            dataset, batch_sampler=SkipBatchSampler(sampler, s * plan.accum), num_workers=cfg.data.num_workers,
+            pin_memory=rt.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed + epoch),
+        )
+        it = iter(loader)
+        for s in range(s, spe):
+            yield epoch, s, [next(it) for _ in range(plan.accum)]
+        epoch, s = epoch + 1, 0
+
+
+def train(cfg: Config, rt: runtime.Runtime) -> int:
+    out = Path(cfg.out_dir)
+    dataset, fingerprint = prepare_data(cfg, rt)
+    plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
+    spe = plan.steps_per_epoch(len(dataset))
+    if spe == 0:
+        raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
+    seed_all(cfg.seed)  # identical model init on every rank
+    model = MiniMindLM(cfg.model).to(rt.device)
+    opt = make_optimizer(model, cfg.train)
+    dtype = DTYPES[cfg.train.dtype]
+    scaler = torch.amp.GradScaler(rt.device.type) if dtype == torch.float16 else None
+    train_state = TrainState()
+    states = {"model": model, "optimizer": opt, "train": train_state, **({"scaler": scaler} if scaler else {})}
+    meta = {"world_size": rt.world_size, "global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
+            "accum": plan.accum, "threads": rt.threads, "reduce": cfg.dist.reduce, "config": to_dict(cfg),
+            "data_fingerprint": fingerprint, "run_id": rt.broadcast(new_run_id())}
+    ckpt = CheckpointManager(cfg.checkpoint, out, rt, meta)
+    if rt.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
+                 f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
+        log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
+                 len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
+        log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)",
+                 unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)))
+    resumed = ckpt.load(states)
+    start = train_state.step
+    reducer = (runtime.CanonicalReduce if cfg.dist.reduce == "canonical" else runtime.DDPReduce)(model, rt, plan.accum)
+    if cfg.dist.reduce == "canonical":
+        hashes = rt.all_gather(model_sha256(model.state_dict()))
+        if len(set(hashes)) > 1:
+            raise RuntimeError(f"dist.reduce=canonical: ranks hold different weights at step {start}: {hashes}")
+        if rt.is_main:
+            log.info("canonical reduce: gradient buffers %.1f MiB per rank (M=%d micro-batches x %s parameters)",
+                     reducer.buffer_bytes / 2**20, plan.micro_batches, f"{reducer.numel:,}")
+    sampler = BlockDistributedSampler(len(dataset), plan, rt.rank, cfg.seed)
+    stop = StopFlag()
+    metrics = open(out / "metrics.jsonl", "a") if rt.is_main else None
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (rt.is_main and cfg.log.progress), dynamic_ncols=True, mininterval=1.0)
+    autocast = torch.autocast(rt.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
+    halted = 0 < cfg.train.halt_at <= start
+    if halted:
+        log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
+    stream = step_batches(dataset, sampler, start, cfg, rt) if start < cfg.train.steps and not halted else iter(())
+    step, reason, losses = start, None, []
+    model.train()
+    for epoch, s, micro_batches in stream:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.train)
+        for j, (x, y) in enumerate(micro_batches):
+            i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (I4)
+            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+            # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (I6).
+            with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
+                torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
+                with autocast:
+                    _, loss = reducer.net(x, y)
+                reducer.backward(loss, j, scaler.scale if scaler else None)
+        loss = reducer.reduce()
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        # Saved after optimizer.step(), with no gradient pending (I7).
+        train_state.step, (train_state.epoch, done_in_epoch) = step, divmod(step, spe)
+        train_state.samples_seen = done_in_epoch * plan.global_batch
+        losses.append(loss)
+        if metrics:
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "epoch": epoch, "loss": loss, "lr": opt.param_groups[0]["lr"],
+                   "samples_seen": (s + 1) * plan.global_batch, "tokens_per_s": round(plan.global_batch * cfg.model.seq_len / dt, 1)}
+            if cfg.log.sample_ids:
+                rec["sample_ids"] = sampler.step_indices(s)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            if step % cfg.log.every == 0 or step == cfg.train.steps:
+                bar.write(f"step {step}/{cfg.train.steps} | epoch {epoch} | loss {loss:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s")
+        bar.update(1)
+        stop_votes, save_failures = rt.sum([float(stop.requested), float(ckpt.failed)])
+        if save_failures:
+            ckpt.raise_failure()
+        if stop_votes:
+            reason = "stopped"
+        elif step == cfg.train.halt_at:
+            reason = "halted"
+        elif step == cfg.train.steps:
+            reason = "finished"
+        else:
+            reason = None
+        if reason or ckpt.due(step):
+            ckpt.save(step, states, train_state)
+        if reason:
+            break
+    ckpt.close()
+    bar.close()
+    if metrics:
+        metrics.close()
+    stop.uninstall()
+    if rt.is_main:
+        if reason == "stopped":
+            log.info("stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
+                     stop.signal or "a signal on another rank", step, time.monotonic() - (stop.received_at or time.monotonic()), EXIT_STOPPED)
+        elif losses:
+            tail = losses[-min(10, len(losses)):]
+            log.info("%s at step %d: loss %.4f (mean of the last %d steps %.4f)", reason, step, losses[-1], len(tail), sum(tail) / len(tail))
+        else:
+            log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
+    return EXIT_STOPPED if reason == "stopped" else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="keys (key=value overrides the YAML):\n" + describe(),
+    )
+    parser.add_argument("--config", default="configs/tiny.yaml", help="YAML file (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=3e-4")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
+    runtime.setup_logging(rt)
+    try:
+        return train(cfg, rt)
+    except (ConfigError, DataError, BatchPlanError, CheckpointError) as e:
+        log.error("error: %s", e)
+        return 2 if not isinstance(e, CheckpointError) else 1
+    finally:
+        runtime.teardown(rt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
