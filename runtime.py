@@ -195,7 +195,8 @@ class CanonicalReduce:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.local = torch.zeros(accum, self.numel + 1, dtype=torch.float32, device=rt.device)
-        self.gathered = torch.zeros(rt.world_size * accum, self.numel + 1, dtype=torch.float32, device=rt.device)
+        many = rt.distributed and rt.world_size > 1
+        self.gathered = torch.zeros(rt.world_size * accum if many else 0, self.numel + 1, dtype=torch.float32, device=rt.device)
 
     @property
     def buffer_bytes(self) -> int:

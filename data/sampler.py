@@ -36,6 +36,9 @@ class BatchPlan:
             ok = [d for d in range(1, g + 1) if g % (d * w) == 0]
             hint = f"micro batches that divide it on {w} process(es): {', '.join(map(str, ok))}" if ok else (
                 f"no micro batch does: the global batch must be a multiple of the world size {w}")
+            if g % m == 0:
+                worlds = [v for v in range(1, g // m + 1) if (g // m) % v == 0]
+                hint += f"; with micro batch {m} (M = {g // m} micro-batches per step) the world sizes that work are {', '.join(map(str, worlds))}"
             raise BatchPlanError(
                 f"train.global_batch={g} is not divisible by train.micro_batch={m} x world size {w} = {m * w}; {hint}"
             )

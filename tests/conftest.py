@@ -45,3 +45,27 @@ def tiny(corpus, cache_dir) -> list[str]:
         "train.global_batch=8", "train.micro_batch=2", "train.steps=20", "train.warmup_steps=3", "train.lr=3e-3",
         "checkpoint.interval=0", "log.progress=false",
     ]
+
+
+@pytest.fixture(scope="session")
+def epochs(tiny) -> list[str]:
+    """The tiny run limited to 70 samples: 8 steps per epoch, so 20 steps cross two epoch boundaries."""
+    return [*tiny, "data.num_samples=70", "log.sample_ids=true"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, epochs):
+    """Uninterrupted runs, launched once per session: reference(nproc, *extra) -> run folder."""
+    import launch
+
+    made: dict = {}
+
+    def get(nproc: int, *extra: str) -> Path:
+        key = (nproc, extra)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ref{nproc}")
+            launch.run(nproc, *epochs, *extra, f"out_dir={out}")
+            made[key] = out
+        return made[key]
+
+    return get

@@ -97,3 +97,8 @@ def test_the_order_is_one_tensor_and_skipping_far_costs_no_iteration():
     it = iter(SkipBatchSampler(sampler, len(sampler) - 1))
     last = next(it)
     assert len(last) == 64 and next(it, None) is None
+
+
+def test_a_world_size_that_does_not_divide_the_micro_batches_names_the_sizes_that_work():
+    with pytest.raises(BatchPlanError, match=r"M = 6 micro-batches per step\) the world sizes that work are 1, 2, 3, 6"):
+        BatchPlan(12, 2, 4)
