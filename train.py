@@ -26,6 +26,7 @@ from tqdm import tqdm
 import runtime
 from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, StopFlag, TrainState, model_sha256, new_run_id
 from checkpoint.rng import derive_seed, seed_all
+from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
 from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack, resolve_source
 from data.prepare import unigram_entropy
@@ -86,6 +87,9 @@ def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg
         loader = DataLoader(
             dataset, batch_sampler=SkipBatchSampler(sampler, s * plan.accum), num_workers=cfg.data.num_workers,
             pin_memory=rt.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed + epoch),
+            # A SIGTERM to the whole process group must reach the trainer's stop flag, not kill the
+            # loader's workers mid-batch; the trainer shuts them down itself.
+            worker_init_fn=ignore_stop_signals if cfg.data.num_workers else None,
         )
         it = iter(loader)
         for s in range(s, spe):
@@ -201,16 +205,17 @@ def train(cfg: Config, rt: runtime.Runtime) -> int:
     bar.close()
     if metrics:
         metrics.close()
-    stop.uninstall()
-    if rt.is_main:
-        if reason == "stopped":
-            log.info("stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
-                     stop.signal or "a signal on another rank", step, time.monotonic() - (stop.received_at or time.monotonic()), EXIT_STOPPED)
-        elif losses:
-            tail = losses[-min(10, len(losses)):]
-            log.info("%s at step %d: loss %.4f (mean of the last %d steps %.4f)", reason, step, losses[-1], len(tail), sum(tail) / len(tail))
-        else:
-            log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
+    if reason == "stopped" and stop.requested:  # this rank was signalled: it knows when
+        (log.info if rt.is_main else log.warning)(
+            "stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
+            stop.signal, step, time.monotonic() - stop.received_at, EXIT_STOPPED)
+    elif reason == "stopped" and rt.is_main:
+        log.info("stopped on a signal to another rank at step %d: checkpoint published; exit %d (resume me)", step, EXIT_STOPPED)
+    elif rt.is_main and losses:
+        tail = losses[-min(10, len(losses)):]
+        log.info("%s at step %d: loss %.4f (mean of the last %d steps %.4f)", reason, step, losses[-1], len(tail), sum(tail) / len(tail))
+    elif rt.is_main:
+        log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
     return EXIT_STOPPED if reason == "stopped" else 0
 
 
@@ -239,4 +244,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    ignore_stop_signals()  # see its docstring: exit with `code`, not with torchrun's late SIGTERM
+    sys.exit(code)

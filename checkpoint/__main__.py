@@ -1,4 +1,5 @@
 """`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
+`python -m checkpoint compare RUN_A RUN_B`: are two runs bit-identical (weights and every logged loss)?
 
 PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
 checkpoint is inspected, and every checkpoint is listed with its validity).
@@ -60,19 +61,57 @@ def inspect_path(path: Path) -> dict:
     return {**inspect_checkpoint(newest), "checkpoints": listing}
 
 
+def _losses(run: Path) -> list[tuple[int, float]]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())]
+
+
+def compare_runs(a: Path, b: Path) -> dict:
+    """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
+    `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
+    ia, ib = inspect_path(a), inspect_path(b)
+    wa = io.safe_load(Path(ia["path"]) / io.RESUME_FILE)["model"]
+    wb = io.safe_load(Path(ib["path"]) / io.RESUME_FILE)["model"]
+    max_dw = max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if k in wb and wa[k].shape == wb[k].shape),
+                 default=float("nan"))
+    la, lb = _losses(a), _losses(b)
+    steps_equal = [s for s, _ in la] == [s for s, _ in lb]
+    dloss = [abs(x - y) for (_, x), (_, y) in zip(la, lb)]
+    same_weights = ia["model_sha256"] == ib["model_sha256"]
+    return {
+        "identical": same_weights and steps_equal and la == lb,
+        "model_sha256": [ia["model_sha256"], ib["model_sha256"]],
+        "step": [ia["step"], ib["step"]],
+        "max_abs_weight_diff": max_dw,
+        "logged_steps": [len(la), len(lb)],
+        "losses_equal": steps_equal and la == lb,
+        "max_abs_loss_diff": max(dloss, default=0.0),
+        "first_differing_step": next((s for (s, x), (_, y) in zip(la, lb) if x != y), None),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("inspect", help="print a checkpoint's step, geometry, model_sha256 and files as JSON")
     p.add_argument("path", type=Path)
+    c = sub.add_parser("compare", help="compare two run folders: model_sha256 and every logged loss (exit 0 when identical)")
+    c.add_argument("run_a", type=Path)
+    c.add_argument("run_b", type=Path)
     args = parser.parse_args(argv)
     try:
-        print(json.dumps(inspect_path(args.path), indent=1))
+        if args.verb == "inspect":
+            print(json.dumps(inspect_path(args.path), indent=1))
+            return 0
+        result = compare_runs(args.run_a, args.run_b)
+        print(json.dumps(result, indent=1))
+        return 0 if result["identical"] else 1
     except io.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return 2
 
 
 if __name__ == "__main__":

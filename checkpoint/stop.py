@@ -8,6 +8,7 @@ together; nobody waits on a collective that another rank already left (DESIGN.md
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -18,14 +19,21 @@ EXIT_STOPPED = 75
 
 
 class StopFlag:
-    """Installs the handlers; `requested` turns True at the first signal and stays True."""
+    """Installs the handlers; `requested` turns True at the first signal and stays True.
+
+    Under torchrun it also watches the launcher: a worker whose agent died (SIGKILLed, OOM-killed)
+    would train on unsupervised and race the next launch for the checkpoint folder, so it stops
+    as if signalled.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self) -> None:
         self.signal: str | None = None
         self.received_at: float | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
         # A second signal while the stop is under way changes nothing: the save in progress goes on.
@@ -35,8 +43,16 @@ class StopFlag:
 
     @property
     def requested(self) -> bool:
+        if self.signal is None and self._parent is not None and os.getppid() != self._parent:
+            self.signal, self.received_at = "the exit of the torchrun agent", time.monotonic()
         return self.signal is not None
 
-    def uninstall(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """Ignore SIGTERM/SIGUSR1/SIGINT from here on: in a DataLoader worker (the trainer stops it),
+    and at the very end of a run, where Python's shutdown would otherwise restore the default
+    action and a late SIGTERM from torchrun's agent (sent when another rank left first) would turn
+    a clean exit code into a death by signal. SIG_IGN survives interpreter finalization."""
+    for sig in StopFlag.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

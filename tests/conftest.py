@@ -43,7 +43,7 @@ def tiny(corpus, cache_dir) -> list[str]:
         f"data.path={corpus}", f"data.cache_dir={cache_dir}",
         "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32",
         "train.global_batch=8", "train.micro_batch=2", "train.steps=20", "train.warmup_steps=3", "train.lr=3e-3",
-        "checkpoint.interval=0", "log.progress=false",
+        "checkpoint.interval=0", "log.progress=false", "runtime.threads=1",
     ]
 
 

@@ -41,3 +41,62 @@ def inspect(path: Path) -> dict:
     from checkpoint.__main__ import inspect_path
 
     return inspect_path(Path(path))
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start a launch in a session of its own, output to `log`."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for c in children(pid):
+        out += [c, *descendants(c)]
+    return out
+
+
+def workers(agent_pid: int) -> list[int]:
+    """torchrun's worker processes (its python children), sorted by pid = by local rank."""
+    return sorted(p for p in children(agent_pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    """Signal a launcher and every process under it at once, as a node going away would.
+    (torchrun starts its workers in sessions of their own: a process-group kill misses them.)"""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(predicate, timeout: float = 120, every: float = 0.005, proc: subprocess.Popen | None = None) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launch exited ({proc.returncode}) before the condition held")
+        if time.monotonic() > end:
+            raise AssertionError("timed out waiting")
+        time.sleep(every)
+
+
+def lines(path: Path) -> int:
+    try:
+        return len(Path(path).read_text().splitlines())
+    except FileNotFoundError:
+        return 0

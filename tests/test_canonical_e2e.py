@@ -44,4 +44,4 @@ def test_ddp_and_canonical_loss_curves_agree_to_a_measured_tolerance(tmp_path, c
     ddp, canon = launch.losses(tmp_path), launch.losses(uninterrupted[0])
     gap = max(abs(a - b) for a, b in zip(ddp, canon))
     print(f"ddp vs canonical over {len(ddp)} steps: max |dloss| = {gap:.3e}")
-    assert 0 < gap < 1e-5  # measured 3.2e-7: the same mean, summed in another order
+    assert 0 < gap < 1e-5  # measured 4.8e-7: the same mean, summed in another order
