@@ -26,6 +26,7 @@ from tqdm import tqdm
 import runtime
 from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, StopFlag, TrainState, model_sha256, new_run_id
 from checkpoint.rng import derive_seed, seed_all
+from checkpoint import leave_out
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
 from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack, resolve_source
@@ -97,7 +98,7 @@ def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg
         epoch, s = epoch + 1, 0
 
 
-def train(cfg: Config, rt: runtime.Runtime) -> int:
+def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
     out = Path(cfg.out_dir)
     dataset, fingerprint = prepare_data(cfg, rt)
     plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
@@ -124,8 +125,9 @@ def train(cfg: Config, rt: runtime.Runtime) -> int:
                  len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
         log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)",
                  unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)))
-    resumed = ckpt.load(states)
-    start = train_state.step
+    resumed = ckpt.load(leave_out.states_to_load(states, cfg.lab.leave_out))
+    plan_ = leave_out.apply(cfg.lab.leave_out, resumed, model, train_state, spe, rt.world_size)
+    start = plan_.start
     reducer = (runtime.CanonicalReduce if cfg.dist.reduce == "canonical" else runtime.DDPReduce)(model, rt, plan.accum)
     if cfg.dist.reduce == "canonical":
         hashes = rt.all_gather(model_sha256(model.state_dict()))
@@ -135,7 +137,6 @@ def train(cfg: Config, rt: runtime.Runtime) -> int:
             log.info("canonical reduce: gradient buffers %.1f MiB per rank (M=%d micro-batches x %s parameters)",
                      reducer.buffer_bytes / 2**20, plan.micro_batches, f"{reducer.numel:,}")
     sampler = BlockDistributedSampler(len(dataset), plan, rt.rank, cfg.seed)
-    stop = StopFlag()
     metrics = open(out / "metrics.jsonl", "a") if rt.is_main else None
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (rt.is_main and cfg.log.progress), dynamic_ncols=True, mininterval=1.0)
     autocast = torch.autocast(rt.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -143,13 +144,13 @@ def train(cfg: Config, rt: runtime.Runtime) -> int:
     halted = 0 < cfg.train.halt_at <= start
     if halted:
         log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
-    stream = step_batches(dataset, sampler, start, cfg, rt) if start < cfg.train.steps and not halted else iter(())
+    stream = step_batches(dataset, sampler, plan_.data_start, cfg, rt) if start < cfg.train.steps and not halted else iter(())
     step, reason, losses = start, None, []
     model.train()
     for epoch, s, micro_batches in stream:
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg.train)
+            group["lr"] = lr_at(step - plan_.lr_origin, cfg.train)
         for j, (x, y) in enumerate(micro_batches):
             i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (I4)
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
@@ -232,15 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    stop = StopFlag()  # first: a signal during set-up is acted on at the first step boundary
     rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
     runtime.setup_logging(rt)
     try:
-        return train(cfg, rt)
+        return train(cfg, rt, stop)
     except (ConfigError, DataError, BatchPlanError, CheckpointError) as e:
         log.error("error: %s", e)
         return 2 if not isinstance(e, CheckpointError) else 1
     finally:
         runtime.teardown(rt)
+        stop.restore()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
 `python -m checkpoint compare RUN_A RUN_B`: are two runs bit-identical (weights and every logged loss)?
+`python -m checkpoint generate PATH --prompt "..."`: the fp16 weights, loaded safely, continuing a prompt.
 
 PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
 checkpoint is inspected, and every checkpoint is listed with its validity).
@@ -101,8 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare two run folders: model_sha256 and every logged loss (exit 0 when identical)")
     c.add_argument("run_a", type=Path)
     c.add_argument("run_b", type=Path)
+    g = sub.add_parser("generate", help="load the fp16 weights (verified, weights_only) and continue a prompt")
+    g.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    g.add_argument("--prompt", default="Return the ")
+    g.add_argument("--tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        if args.verb == "generate":
+            from .inference import generate, load_model
+
+            print(generate(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed))
+            return 0
         if args.verb == "inspect":
             print(json.dumps(inspect_path(args.path), indent=1))
             return 0

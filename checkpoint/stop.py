@@ -32,8 +32,7 @@ class StopFlag:
         self.signal: str | None = None
         self.received_at: float | None = None
         self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        for s in self.SIGNALS:
-            signal.signal(s, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum: int, frame) -> None:
         # A second signal while the stop is under way changes nothing: the save in progress goes on.
@@ -47,6 +46,11 @@ class StopFlag:
             self.signal, self.received_at = "the exit of the torchrun agent", time.monotonic()
         return self.signal is not None
 
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before (for callers of train.main in-process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def ignore_stop_signals(*_: object) -> None:

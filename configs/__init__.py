@@ -140,6 +140,20 @@ class LogConfig:
         _positive("log.every", self.every)
 
 
+LEAVE_OUT = ("none", "optimizer", "data_position", "fp16_weights", "lr_schedule", "minimind_world_size_rule")
+
+
+@dataclass
+class LabConfig:
+    leave_out: str = "none"
+    """Resume lab only: resume with one piece of state left out, to measure what it is for (the
+    result is NOT exact): none | optimizer | data_position | fp16_weights | lr_schedule |
+    minimind_world_size_rule."""
+
+    def __post_init__(self) -> None:
+        _choice("lab.leave_out", self.leave_out, LEAVE_OUT)
+
+
 @dataclass
 class Config:
     out_dir: str = "runs/tiny"
@@ -153,6 +167,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
 
 
 def _key(f: dataclasses.Field) -> str:

@@ -100,3 +100,14 @@ def lines(path: Path) -> int:
         return len(Path(path).read_text().splitlines())
     except FileNotFoundError:
         return 0
+
+
+def in_process(capsys, *overrides: str) -> tuple[int, str]:
+    """`train.main()` in this process (world size 1): the same code path, without the launch cost.
+    Used where a test needs many short runs; every resume test also has real launches."""
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    capsys.readouterr()
+    code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides])
+    return code, capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""Checkpoints that cannot hurt you: verified on load, fallback past corruption, no code execution,
+clear errors for mismatches and failed saves, safe loading for inference. Real files on disk."""
+import errno
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import launch
+from checkpoint import io
+from checkpoint.inference import generate, load_model
+
+
+@pytest.fixture
+def short(tiny):
+    return [*tiny, "checkpoint.interval=4", "train.steps=12"]
+
+
+@pytest.fixture
+def reference12(tmp_path_factory, short, capsys):
+    out = tmp_path_factory.mktemp("ref12")
+    assert launch.in_process(capsys, *short, f"out_dir={out}")[0] == 0
+    return out
+
+
+def damage(folder, how):
+    target = folder / io.RESUME_FILE
+    if how == "flipped byte":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif how == "truncated":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif how == "missing file":
+        (folder / io.WEIGHTS_FILE).unlink()
+    elif how == "manifest that does not parse":
+        (folder / io.MANIFEST).write_text('{"files": ')
+
+
+def reseal(folder):
+    """Rewrite the manifest so that it matches the files: what an attacker handing you a file would do."""
+    manifest = json.loads((folder / io.MANIFEST).read_text())
+    for name in manifest["files"]:
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / io.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "truncated", "missing file", "manifest that does not parse"])
+def test_a_damaged_newest_checkpoint_is_reported_and_skipped_for_the_newest_that_verifies(tmp_path, short, reference12, capsys, how):
+    code, _ = launch.in_process(capsys, *short, "train.halt_at=8", f"out_dir={tmp_path}")
+    assert code == 0
+    damage(tmp_path / "checkpoints" / "step_00000008", how)
+    code, err = launch.in_process(capsys, *short, f"out_dir={tmp_path}")
+    assert code == 0
+    assert "skipping checkpoint step 8: " in err and "step_00000008" in err
+    assert "step 4 resumes at sample 32" in err
+    assert launch.inspect(tmp_path)["model_sha256"] == launch.inspect(reference12)["model_sha256"]
+    assert launch.losses(tmp_path) == launch.losses(reference12)
+
+
+def test_an_explicit_path_to_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, short, capsys):
+    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints" / "step_00000004"
+    damage(folder, "flipped byte")
+    code, err = launch.in_process(capsys, *short, f"checkpoint.resume={folder}", f"out_dir={tmp_path / 'other'}")
+    assert code == 1
+    assert f"{folder / io.RESUME_FILE}: sha256" in err and "does not match the manifest" in err
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(tmp_path, short, capsys):
+    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints" / "step_00000004"
+    marker = tmp_path / "the-payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    state = torch.load(folder / io.RESUME_FILE, weights_only=True)
+    state["train"] = Payload()
+    torch.save(state, folder / io.RESUME_FILE)
+    torch.save({"tok_embeddings.weight": Payload()}, folder / io.WEIGHTS_FILE)
+    reseal(folder)  # the manifest vouches for the files: it must not matter
+    io.verify(folder)
+
+    code, err = launch.in_process(capsys, *short, f"out_dir={tmp_path}")
+    assert code == 1 and "resume.pth: not a plain checkpoint" in err and "refused without running them" in err
+    with pytest.raises(io.CheckpointError, match="not a plain checkpoint"):
+        launch.inspect(folder)
+    with pytest.raises(io.CheckpointError, match="weights_fp16.pth: not a plain checkpoint"):
+        load_model(folder)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("model.dim=64", "model.dim is 32 in the checkpoint, 64 in this run"),
+    ("model.seq_len=16", "data seq_len is 32 in the checkpoint, 16 in this run"),
+    ("train.global_batch=16", "train.global_batch is 8 in the checkpoint, 16 in this run"),
+    ("seed=7", "seed is 1337 in the checkpoint, 7 in this run"),
+    ("data.num_samples=100", "data num_samples is"),
+])
+def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field(tmp_path, short, capsys, change, expected):
+    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+    before = (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes()
+    code, err = launch.in_process(capsys, *short, change, f"out_dir={tmp_path}")
+    assert code == 1 and "cannot resume this run from it" in err and expected in err
+    assert (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes() == before
+    assert [s for s, _ in io.list_checkpoints(tmp_path / "checkpoints")] == [4]
+
+
+def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, short, corpus, capsys):
+    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(corpus.read_text().replace("model", "modal"))
+    code, err = launch.in_process(capsys, *short, f"data.path={edited}", f"out_dir={tmp_path}")
+    assert code == 1 and "data source_sha256 is" in err
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, capsys, monkeypatch, async_save):
+    real = io._write_file
+
+    def disk_full(path, obj):
+        if "step_00000008" in str(path) and path.name == io.WEIGHTS_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj)
+
+    monkeypatch.setattr(io, "_write_file", disk_full)
+    code, err = launch.in_process(capsys, *short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
+    assert code == 1
+    assert "saving step 8 to" in err and "step_00000008 failed" in err and "No space left on device" in err
+    ckpts = tmp_path / "checkpoints"
+    assert [s for s, _ in io.list_checkpoints(ckpts)] == [4] and not any(ckpts.glob(".tmp-*"))
+    io.verify(ckpts / "step_00000004")
+    # no training on without checkpoints: a sync save fails at step 8, an async one at the next boundary
+    assert launch.metrics(tmp_path)[-1]["step"] == (8 if async_save == "false" else 9)
+
+
+def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely(reference12):
+    model = load_model(reference12)
+    state = io.safe_load(reference12 / "checkpoints" / "step_00000012" / io.RESUME_FILE)["model"]
+    full = type(model)(model.cfg)
+    full.load_state_dict(state)
+    x = torch.randint(0, 256, (2, 32))
+    gap = (model(x)[0] - full.eval()(x)[0]).abs().max().item()
+    assert 0 < gap < 0.05  # fp16 rounding of the weights, nothing more
+    text = generate(model, "The ", max_new_tokens=20, seed=1)
+    assert text.startswith("The ") and text == generate(model, "The ", max_new_tokens=20, seed=1)
