@@ -146,6 +146,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
         log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
     stream = step_batches(dataset, sampler, plan_.data_start, cfg, rt) if start < cfg.train.steps and not halted else iter(())
     step, reason, losses = start, None, []
+    loop_t0 = time.perf_counter()
     model.train()
     for epoch, s, micro_batches in stream:
         t0 = time.perf_counter()
@@ -179,7 +180,10 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
         if metrics:
             dt = time.perf_counter() - t0
             rec = {"step": step, "epoch": epoch, "loss": loss, "lr": opt.param_groups[0]["lr"],
-                   "samples_seen": (s + 1) * plan.global_batch, "tokens_per_s": round(plan.global_batch * cfg.model.seq_len / dt, 1)}
+                   "samples_seen": (s + 1) * plan.global_batch,
+                   # timing fields: the only ones that differ between an interrupted run and the one that was not
+                   "tokens_per_s": round(plan.global_batch * cfg.model.seq_len / dt, 1), "step_s": round(dt, 5),
+                   "elapsed_s": round(time.perf_counter() - loop_t0, 4)}
             if cfg.log.sample_ids:
                 rec["sample_ids"] = sampler.step_indices(s)
             metrics.write(json.dumps(rec) + "\n")

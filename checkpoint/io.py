@@ -202,5 +202,8 @@ def model_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     """sha256 over the fp32 parameters' bytes in state_dict order: the identity of a model's weights."""
     h = hashlib.sha256()
     for t in state_dict.values():
-        h.update(t.detach().to("cpu", torch.float32).contiguous().view(torch.uint8).numpy().tobytes())
+        t = t.detach()
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            t = t.to("cpu", torch.float32).contiguous()
+        h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy, no tensor op
     return h.hexdigest()

@@ -126,7 +126,6 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if cfg.async_ and rt.is_main else None
         self._pending: Future | None = None
         self._error: BaseException | None = None
-        self.last_saved_step: int | None = None
 
     # ---------------------------------------------------------------- load
     def _choose(self) -> Path | None:
@@ -148,8 +147,12 @@ class CheckpointManager:
                 log.warning("skipping checkpoint step %d: %s", step, e)
         return None
 
-    def load(self, states: dict[str, Stateful]) -> Resumed | None:
-        """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start)."""
+    def load(self, states: dict[str, Stateful], optional: frozenset[str] = frozenset({"scaler"})) -> Resumed | None:
+        """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start).
+
+        A state named in `optional` that the checkpoint lacks starts fresh with a warning (a
+        GradScaler when a float32 or bfloat16 run continues in float16); any other missing state
+        is an error."""
         t0 = time.monotonic()
         choice: Any = None
         if self.rt.is_main:
@@ -175,9 +178,12 @@ class CheckpointManager:
             payload = io.safe_load(path / io.RESUME_FILE)
             self._check_compatible(path, payload)
             for name, obj in states.items():
-                if name not in payload:
+                if name in payload:
+                    obj.load_state_dict(payload[name])
+                elif name in optional:
+                    log.warning("%s: no '%s' state in the resume file; it starts fresh", path, name)
+                else:
                     raise io.CheckpointError(f"{path / io.RESUME_FILE}: no '{name}' state in the resume file")
-                obj.load_state_dict(payload[name])
             self._restore_rng(payload)
         except io.CheckpointError as e:
             error = str(e)
@@ -261,27 +267,30 @@ class CheckpointManager:
             self.wait()  # the previous async save, before a new one
             pin = self._pool is not None and self.rt.device.type == "cuda"
             snapshot = {name: obj.state_dict() for name, obj in states.items()}
+            # The fp16 copy is made here, on the training thread, in both modes: a tensor op in the
+            # background thread would start a second OpenMP team that fights the training's for cores.
+            weights = half_weights(snapshot["model"])
             if self._pool is not None:
                 snapshot = _to_cpu_copy(snapshot, pin)
-                self._pending = self._pool.submit(self._write, step, snapshot, rng_states, train.state_dict(), t0)
+                self._pending = self._pool.submit(self._write, step, snapshot, weights, rng_states, train.state_dict(), t0)
                 log.info("checkpoint step %d: snapshot taken in %.3fs, writing in the background", step, time.monotonic() - t0)
             else:
                 try:
-                    self._write(step, snapshot, rng_states, train.state_dict(), t0)
+                    self._write(step, snapshot, weights, rng_states, train.state_dict(), t0)
                 except io.CheckpointError as e:
                     self._error, failed = e, True
         if self._pool is None and self.rt.any(failed):
             self.raise_failure()
 
-    def _write(self, step: int, snapshot: dict, rng_states: list, train: dict, t0: float) -> None:
+    def _write(self, step: int, snapshot: dict, weights: dict, rng_states: list, train: dict, t0: float) -> None:
+        """Serialize, hash, fsync and publish (the part an async save does in the background)."""
         model_state = snapshot["model"]
         resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **self._meta_for(train)}
-        files = {io.RESUME_FILE: resume, io.WEIGHTS_FILE: half_weights(model_state)}
+        files = {io.RESUME_FILE: resume, io.WEIGHTS_FILE: weights}
         manifest = {**train, **{k: v for k, v in self._meta_for(train).items() if k != "data_fingerprint"},
                     "model_sha256": io.model_sha256(model_state), "created_unix": time.time()}
         final = io.publish(self.root, step, files, manifest)
         pruned = io.prune(self.root, self.cfg.keep)
-        self.last_saved_step = step
         log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
                  f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
 

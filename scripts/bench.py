@@ -1,0 +1,321 @@
+"""Where we stand: checkpoint stalls, throughput with saves, resume cost, reduction modes, loop overhead.
+
+    python scripts/bench.py [--quick] [--json PATH]
+
+One run, one table; each row is a ratio against a baseline measured beside it in the same run.
+Timings live here and in the README, never in a test.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import train  # noqa: E402
+from checkpoint import CheckpointManager, TrainState  # noqa: E402
+from configs import CheckpointConfig, load_config, to_dict  # noqa: E402
+from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
+from model import MiniMindLM, ModelConfig  # noqa: E402
+from runtime import Runtime  # noqa: E402
+
+AIMS = {
+    "async stall / sync stall": ("<=", 0.2),
+    "throughput, async save every 10 / none": (">=", 0.97),
+    "resume at 90% / at 0% of an epoch": ("<=", 1.1),
+    "our loop / minimal loop (speed)": (">=", 0.95),
+    "canonical / ddp step time, 2 processes": ("<=", 1.3),
+}
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def trained_states(mcfg: ModelConfig, tokens: int = 16) -> tuple[MiniMindLM, torch.optim.Optimizer]:
+    """A model and an AdamW with its state populated by one step on a small batch."""
+    torch.manual_seed(0)
+    model = MiniMindLM(mcfg)
+    opt = train.make_optimizer(model, load_config(None).train)
+    x = torch.randint(0, 256, (1, min(tokens, mcfg.seq_len)))
+    model(x, x)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def disk_write_speed(folder: Path, nbytes: int) -> float:
+    """Raw sequential write with fsync, bytes per second."""
+    block = os.urandom(1 << 20)
+    path = folder / "raw.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / dt
+
+
+def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[list[dict], dict]:
+    """Stall of one save at a step boundary, five ways, on the same state."""
+    model, opt = trained_states(mcfg)
+    rt = Runtime()
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in to_dict(mcfg).items()])
+    meta = {"world_size": 1, "global_batch": 1, "micro_batch": 1, "accum": 1, "threads": torch.get_num_threads(),
+            "reduce": "ddp", "config": to_dict(cfg), "data_fingerprint": {}, "run_id": "bench"}
+    states = {"model": model, "optimizer": opt, "train": TrainState(step=1)}
+    results: dict[str, float] = {}
+    step = iter(range(1, 10_000))
+    quiet = logging.getLogger("minimind")
+    quiet.setLevel(logging.WARNING)
+
+    def ours(async_: bool) -> float:
+        out = work / f"ours-{label}-{async_}"
+        mgr = CheckpointManager(CheckpointConfig(interval=1, keep=2, async_=async_), out, rt, meta)
+        stalls, totals = [], []
+        for _ in range(repeat):
+            s = next(step)
+            t0 = time.perf_counter()
+            mgr.save(s, states, TrainState(step=s))
+            stalls.append(time.perf_counter() - t0)
+            mgr.wait()  # the background part, outside the stall
+            totals.append(time.perf_counter() - t0)
+        mgr.close()
+        results[f"ours {'async' if async_ else 'sync'} total"] = statistics.median(totals)
+        shutil.rmtree(out)
+        return statistics.median(stalls)
+
+    results["sync"] = ours(False)
+    results["async"] = ours(True)
+    payload = {"model": model.state_dict(), "optimizer": opt.state_dict(), "train": states["train"].state_dict()}
+    path = work / "bare.pth"
+    results["torch.save"] = median_time(lambda: torch.save(payload, path), repeat)
+    resume_bytes = path.stat().st_size
+    path.unlink()
+    dcp_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    n = iter(range(10_000))
+    results["dcp.save"] = median_time(lambda: dcp.save(dcp_state, checkpoint_id=str(work / f"dcp-{next(n)}")), repeat)
+    futures = []
+    results["dcp.async_save"] = median_time(
+        lambda: futures.append(dcp.async_save(dcp_state, checkpoint_id=str(work / f"dcpa-{next(n)}"))), repeat)
+    for f in futures:
+        f.result()
+    params = model.num_parameters()
+    rows = [
+        {"row": f"stall per save, {label} ({params / 1e6:.1f}M params)", "what": "ours async / ours sync",
+         "value": results["async"] / results["sync"], "detail": f"{results['async'] * 1e3:.1f} ms / {results['sync'] * 1e3:.1f} ms",
+         "aim": "async stall / sync stall"},
+        {"row": f"stall per save, {label}", "what": "ours sync / bare torch.save",
+         "value": results["sync"] / results["torch.save"], "detail": f"{results['sync'] * 1e3:.1f} ms / {results['torch.save'] * 1e3:.1f} ms (ours also hashes, fsyncs, writes fp16 weights + manifest)"},
+        {"row": f"stall per save, {label}", "what": "DCP save / ours sync",
+         "value": results["dcp.save"] / results["sync"], "detail": f"{results['dcp.save'] * 1e3:.1f} ms / {results['sync'] * 1e3:.1f} ms"},
+        {"row": f"stall per save, {label}", "what": "DCP async_save / ours async",
+         "value": results["dcp.async_save"] / results["async"], "detail": f"{results['dcp.async_save'] * 1e3:.1f} ms / {results['async'] * 1e3:.1f} ms"},
+    ]
+    return rows, {"resume_bytes": resume_bytes, "sync_seconds": results["sync"], "sync_total": results["ours sync total"]}
+
+
+def run_train(args: list[str], log: Path) -> list[dict]:
+    """train.main in this process (1 process); returns its metrics lines."""
+    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("out_dir=")))
+    shutil.rmtree(out, ignore_errors=True)
+    with open(log, "a") as f, contextlib.redirect_stderr(f), contextlib.redirect_stdout(f):
+        code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "log.progress=false", *args])
+    logging.basicConfig(force=True, level=logging.WARNING)
+    if code != 0:
+        raise SystemExit(f"bench: a training run failed, see {log}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def throughput(rows: list[dict], skip: int, tokens_per_step: int) -> float:
+    """Tokens per second over wall-clock, saves included, after `skip` warm-up steps."""
+    a, b = rows[skip - 1], rows[-1]
+    return (b["step"] - a["step"]) * tokens_per_step / (b["elapsed_s"] - a["elapsed_s"])
+
+
+def throughput_rows(steps: int, rounds: int, work: Path) -> list[dict]:
+    """Tokens/s with a save every 10 steps (sync, async) against no save, interleaved; best of `rounds`
+    (this machine's noise is several percent from run to run)."""
+    base = [f"train.steps={steps}", "checkpoint.keep=2"]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    per_step = cfg.train.global_batch * cfg.model.seq_len
+    tp: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, extra in (("none", ["checkpoint.interval=0"]), ("sync", ["checkpoint.interval=10"]),
+                            ("async", ["checkpoint.interval=10", "checkpoint.async=true"])):
+            rows = run_train([*base, *extra, f"out_dir={work / ('tp-' + name)}"], work / "train.log")
+            tp[name] = max(tp.get(name, 0.0), throughput(rows, 5, per_step))
+    return [
+        {"row": "training throughput, tiny, save every 10 steps", "what": "async / none", "value": tp["async"] / tp["none"],
+         "detail": f"{tp['async']:,.0f} / {tp['none']:,.0f} tok/s", "aim": "throughput, async save every 10 / none"},
+        {"row": "training throughput, tiny, save every 10 steps", "what": "sync / none", "value": tp["sync"] / tp["none"],
+         "detail": f"{tp['sync']:,.0f} / {tp['none']:,.0f} tok/s"},
+    ]
+
+
+class Synthetic(Dataset):
+    """N samples computed from their index: a dataset of any size without a file."""
+
+    def __init__(self, n: int, seq_len: int) -> None:
+        self.n, self.seq_len = n, seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        row = (torch.arange(self.seq_len + 1) * 31 + i) % 256
+        return row[:-1], row[1:]
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resume_rows(n: int) -> list[dict]:
+    """The data side of a resume: sampler built, epoch order drawn, skip applied, first batch out."""
+    plan = BatchPlan(1024, 64, 2)
+    ds = Synthetic(n, 32)
+
+    def first_batch(fraction: float) -> float:
+        t0 = time.perf_counter()
+        sampler = BlockDistributedSampler(n, plan, rank=1, seed=1337)
+        sampler.set_epoch(3)
+        skip = int(plan.steps_per_epoch(n) * fraction) * plan.accum
+        loader = DataLoader(ds, batch_sampler=SkipBatchSampler(sampler, skip), generator=torch.Generator().manual_seed(0))
+        next(iter(loader))
+        return time.perf_counter() - t0
+
+    rss0 = peak_rss()
+    first_batch(0.0)  # warm-up (and the peak: one epoch order alive at a time)
+    grew = max(0, peak_rss() - rss0)
+    at0 = statistics.median(first_batch(0.0) for _ in range(3))
+    at90 = statistics.median(first_batch(0.9) for _ in range(3))
+    order_bytes = n * 8
+    return [{"row": f"resume latency, data side, {n / 1e6:.0f}M samples", "what": "at 90% / at 0% of an epoch", "value": at90 / at0,
+             "detail": f"{at90 * 1e3:.0f} ms / {at0 * 1e3:.0f} ms; the order is one int64 tensor of {order_bytes / 2**20:.0f} MiB, "
+                       f"peak RSS grew {grew / 2**20:.0f} MiB",
+             "aim": "resume at 90% / at 0% of an epoch"}]
+
+
+def reduce_rows(steps: int, work: Path) -> list[dict]:
+    """canonical vs ddp on 2 processes under torchrun: median step time from metrics."""
+    med = {}
+    for mode in ("ddp", "canonical"):
+        out = work / f"reduce-{mode}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "--config", "configs/tiny.yaml", f"train.steps={steps}", f"dist.reduce={mode}", "checkpoint.interval=0",
+               "log.progress=false", f"out_dir={out}"]
+        with open(work / "torchrun.log", "a") as f:
+            if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                raise SystemExit(f"bench: torchrun failed, see {work / 'torchrun.log'}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][3:]
+        med[mode] = statistics.median(r["step_s"] for r in rows)
+    return [{"row": "step time, tiny, 2 processes", "what": "canonical / ddp", "value": med["canonical"] / med["ddp"],
+             "detail": f"{med['canonical'] * 1e3:.0f} ms / {med['ddp'] * 1e3:.0f} ms", "aim": "canonical / ddp step time, 2 processes"}]
+
+
+def loop_rows(steps: int, work: Path) -> list[dict]:
+    """Our loop against a minimal plain-PyTorch loop on the same model, batch and threads (1 process)."""
+    ours = run_train([f"train.steps={steps}", "checkpoint.interval=0", f"out_dir={work / 'loop-ours'}"], work / "train.log")
+    ours_step = statistics.median(r["step_s"] for r in ours[3:])
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    torch.set_num_threads(train.runtime.default_threads(cfg.runtime, "ddp", 1))
+    cache = Path(cfg.data.cache_dir)
+    bin_path, _ = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
+    ds = PackedDataset(bin_path, cfg.model.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = MiniMindLM(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay)
+    accum = cfg.train.global_batch // cfg.train.micro_batch
+    loader = iter(DataLoader(ds, batch_size=cfg.train.micro_batch, shuffle=True, drop_last=True))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(accum):
+            x, y = next(loader)
+            (model(x, y)[1] / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    minimal = statistics.median(times[3:])
+    return [{"row": "step time, tiny, 1 process", "what": "our loop / minimal loop (speed)", "value": minimal / ours_step,
+             "detail": f"{ours_step * 1e3:.0f} ms ours, {minimal * 1e3:.0f} ms minimal", "aim": "our loop / minimal loop (speed)"}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    a = parser.parse_args(argv)
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=ROOT / "runs" if (ROOT / "runs").exists() else None))
+    # DCP's save wants a process group; a single-rank gloo one on a free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    rows: list[dict] = []
+    try:
+        repeat = 3 if a.quick else 5
+        tiny = load_config(ROOT / "configs" / "tiny.yaml").model
+        r, _ = stall_rows("tiny", tiny, repeat, work)
+        rows += r
+        if not a.quick:
+            big = ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, vocab_size=6400, seq_len=512)
+            r, info = stall_rows("26M", big, repeat, work)
+            rows += r
+            speed = disk_write_speed(work, 1 << 28)
+            rows.append({"row": "checkpoint write speed, 26M", "what": "ours sync / raw sequential write",
+                         "value": (info["resume_bytes"] / info["sync_total"]) / speed,
+                         "detail": f"{info['resume_bytes'] / info['sync_total'] / 2**20:.0f} MiB/s vs {speed / 2**20:.0f} MiB/s raw (fsync'd)"})
+        rows += throughput_rows(40 if a.quick else 80, 1 if a.quick else 2, work)
+        rows += resume_rows(10_000_000)
+        rows += loop_rows(15 if a.quick else 30, work)
+        dist.destroy_process_group()
+        rows += reduce_rows(15 if a.quick else 30, work)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(work, ignore_errors=True)
+    for row in rows:
+        aim = AIMS.get(row.get("aim") or "")
+        row["aim"] = f"{aim[0]} {aim[1]}" if aim else ""
+        row["meets_aim"] = (row["value"] <= aim[1] if aim[0] == "<=" else row["value"] >= aim[1]) if aim else None
+    print(f"bench ({'quick' if a.quick else 'full'}, {time.time() - t0:.0f} s, torch {torch.__version__}, {os.cpu_count()} cores)\n")
+    print("| measured | ratio | value | aim | figures |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        mark = "" if row["meets_aim"] is None else (" ✓" if row["meets_aim"] else " ✗")
+        print(f"| {row['row']} | {row['what']} | {row['value']:.3f} | {row['aim']}{mark} | {row['detail']} |")
+    if a.json:
+        a.json.write_text(json.dumps({"quick": a.quick, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
