@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ from tqdm import tqdm
 
 import runtime
 from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, StopFlag, TrainState, model_sha256, new_run_id
-from checkpoint.rng import derive_seed, seed_all
 from checkpoint import leave_out
+from checkpoint.rng import derive_seed, seed_all
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
 from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack, resolve_source
@@ -98,8 +99,25 @@ def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg
         epoch, s = epoch + 1, 0
 
 
-def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
-    out = Path(cfg.out_dir)
+@dataclass
+class Run:
+    """Everything a run is built from; `states` is what a checkpoint holds."""
+
+    dataset: PackedDataset
+    plan: BatchPlan
+    steps_per_epoch: int
+    model: MiniMindLM
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    train_state: TrainState
+    ckpt: CheckpointManager
+
+    @property
+    def states(self) -> dict:
+        return {"model": self.model, "optimizer": self.opt, "train": self.train_state, **({"scaler": self.scaler} if self.scaler else {})}
+
+
+def build(cfg: Config, rt: runtime.Runtime) -> Run:
     dataset, fingerprint = prepare_data(cfg, rt)
     plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
     spe = plan.steps_per_epoch(len(dataset))
@@ -107,109 +125,143 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
         raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
     seed_all(cfg.seed)  # identical model init on every rank
     model = MiniMindLM(cfg.model).to(rt.device)
-    opt = make_optimizer(model, cfg.train)
-    dtype = DTYPES[cfg.train.dtype]
-    scaler = torch.amp.GradScaler(rt.device.type) if dtype == torch.float16 else None
-    train_state = TrainState()
-    states = {"model": model, "optimizer": opt, "train": train_state, **({"scaler": scaler} if scaler else {})}
+    scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     meta = {"world_size": rt.world_size, "global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
             "accum": plan.accum, "threads": rt.threads, "reduce": cfg.dist.reduce, "config": to_dict(cfg),
             "data_fingerprint": fingerprint, "run_id": rt.broadcast(new_run_id())}
-    ckpt = CheckpointManager(cfg.checkpoint, out, rt, meta)
+    ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
+    run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt)
     if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
         log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
                  len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
         log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)",
                  unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)))
-    resumed = ckpt.load(leave_out.states_to_load(states, cfg.lab.leave_out))
-    plan_ = leave_out.apply(cfg.lab.leave_out, resumed, model, train_state, spe, rt.world_size)
-    start = plan_.start
-    reducer = (runtime.CanonicalReduce if cfg.dist.reduce == "canonical" else runtime.DDPReduce)(model, rt, plan.accum)
-    if cfg.dist.reduce == "canonical":
-        hashes = rt.all_gather(model_sha256(model.state_dict()))
-        if len(set(hashes)) > 1:
-            raise RuntimeError(f"dist.reduce=canonical: ranks hold different weights at step {start}: {hashes}")
-        if rt.is_main:
-            log.info("canonical reduce: gradient buffers %.1f MiB per rank (M=%d micro-batches x %s parameters)",
-                     reducer.buffer_bytes / 2**20, plan.micro_batches, f"{reducer.numel:,}")
-    sampler = BlockDistributedSampler(len(dataset), plan, rt.rank, cfg.seed)
-    metrics = open(out / "metrics.jsonl", "a") if rt.is_main else None
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (rt.is_main and cfg.log.progress), dynamic_ncols=True, mininterval=1.0)
-    autocast = torch.autocast(rt.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    return run
+
+
+def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
+    """DDP or the canonical reduction, wrapped after the load so that every rank starts from the same weights."""
+    if cfg.dist.reduce == "ddp":
+        return runtime.DDPReduce(run.model, rt, run.plan.accum)
+    hashes = rt.all_gather(model_sha256(run.model.state_dict()))
+    if len(set(hashes)) > 1:
+        raise RuntimeError(f"dist.reduce=canonical: ranks hold different weights at step {run.train_state.step}: {hashes}")
+    reducer = runtime.CanonicalReduce(run.model, rt, run.plan.accum)
+    if rt.is_main:
+        log.info("canonical reduce: gradient buffers %.1f MiB per rank (M=%d micro-batches x %s parameters)",
+                 reducer.buffer_bytes / 2**20, run.plan.micro_batches, f"{reducer.numel:,}")
+    return reducer
+
+
+def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int) -> float:
+    """Forward/backward over this rank's micro-batches, reduce, clip, optimizer step. Returns the
+    step's loss, averaged over the global batch."""
+    autocast = torch.autocast(rt.device.type, dtype=DTYPES[cfg.train.dtype]) if cfg.train.dtype != "float32" else nullcontext()
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
+    scaler = run.scaler
+    for j, (x, y) in enumerate(micro_batches):
+        i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (I4)
+        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (I6).
+        with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
+            torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
+            with autocast:
+                _, loss = reducer.net(x, y)
+            reducer.backward(loss, j, scaler.scale if scaler else None)
+    loss = reducer.reduce()
+    if scaler:
+        scaler.unscale_(run.opt)
+    if cfg.train.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
+    if scaler:
+        scaler.step(run.opt)
+        scaler.update()
+    else:
+        run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    return loss
+
+
+class Metrics:
+    """OUT/metrics.jsonl, one line per optimizer step, and the human lines: rank 0 only."""
+
+    def __init__(self, cfg: Config, rt: runtime.Runtime, run: Run, sampler: BlockDistributedSampler, start: int) -> None:
+        self.cfg, self.run, self.sampler = cfg, run, sampler
+        self.file = open(Path(cfg.out_dir) / "metrics.jsonl", "a") if rt.is_main else None
+        self.bar = tqdm(total=cfg.train.steps, initial=start, disable=not (rt.is_main and cfg.log.progress),
+                        dynamic_ncols=True, mininterval=1.0)
+        self.t0 = time.perf_counter()
+        self.losses: list[float] = []
+
+    def step(self, step: int, epoch: int, s: int, loss: float, lr: float, seconds: float) -> None:
+        self.losses.append(loss)
+        self.bar.update(1)
+        if not self.file:
+            return
+        g, seq = self.run.plan.global_batch, self.cfg.model.seq_len
+        rec = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": (s + 1) * g,
+               # timing fields: the only ones that differ between an interrupted run and the one that was not
+               "tokens_per_s": round(g * seq / seconds, 1), "step_s": round(seconds, 5),
+               "elapsed_s": round(time.perf_counter() - self.t0, 4)}
+        if self.cfg.log.sample_ids:
+            rec["sample_ids"] = self.sampler.step_indices(s)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+            self.bar.write(f"step {step}/{self.cfg.train.steps} | epoch {epoch} | loss {loss:.4f} | lr {lr:.2e} | {rec['tokens_per_s']:,.0f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
+    run = build(cfg, rt)
+    resumed = run.ckpt.load(leave_out.states_to_load(run.states, cfg.lab.leave_out))
+    where = leave_out.apply(cfg.lab.leave_out, resumed, run.model, run.train_state, run.steps_per_epoch, rt.world_size)
+    reducer = make_reducer(cfg, rt, run)
+    sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed)
+    step = start = where.start
+    metrics = Metrics(cfg, rt, run, sampler, start)
     halted = 0 < cfg.train.halt_at <= start
     if halted:
         log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
-    stream = step_batches(dataset, sampler, plan_.data_start, cfg, rt) if start < cfg.train.steps and not halted else iter(())
-    step, reason, losses = start, None, []
-    loop_t0 = time.perf_counter()
-    model.train()
-    for epoch, s, micro_batches in stream:
+    todo = start < cfg.train.steps and not halted
+    reason = None
+    run.model.train()
+    for epoch, s, micro_batches in step_batches(run.dataset, sampler, where.data_start, cfg, rt) if todo else ():
         t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step - plan_.lr_origin, cfg.train)
-        for j, (x, y) in enumerate(micro_batches):
-            i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (I4)
-            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-            # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (I6).
-            with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
-                torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
-                with autocast:
-                    _, loss = reducer.net(x, y)
-                reducer.backward(loss, j, scaler.scale if scaler else None)
-        loss = reducer.reduce()
-        if scaler:
-            scaler.unscale_(opt)
-        if cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        lr = lr_at(step - where.lr_origin, cfg.train)
+        for group in run.opt.param_groups:
+            group["lr"] = lr
+        loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
-        # Saved after optimizer.step(), with no gradient pending (I7).
-        train_state.step, (train_state.epoch, done_in_epoch) = step, divmod(step, spe)
-        train_state.samples_seen = done_in_epoch * plan.global_batch
-        losses.append(loss)
-        if metrics:
-            dt = time.perf_counter() - t0
-            rec = {"step": step, "epoch": epoch, "loss": loss, "lr": opt.param_groups[0]["lr"],
-                   "samples_seen": (s + 1) * plan.global_batch,
-                   # timing fields: the only ones that differ between an interrupted run and the one that was not
-                   "tokens_per_s": round(plan.global_batch * cfg.model.seq_len / dt, 1), "step_s": round(dt, 5),
-                   "elapsed_s": round(time.perf_counter() - loop_t0, 4)}
-            if cfg.log.sample_ids:
-                rec["sample_ids"] = sampler.step_indices(s)
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-            if step % cfg.log.every == 0 or step == cfg.train.steps:
-                bar.write(f"step {step}/{cfg.train.steps} | epoch {epoch} | loss {loss:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s")
-        bar.update(1)
-        stop_votes, save_failures = rt.sum([float(stop.requested), float(ckpt.failed)])
+        # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (I7).
+        run.train_state.step, (run.train_state.epoch, done) = step, divmod(step, run.steps_per_epoch)
+        run.train_state.samples_seen = done * run.plan.global_batch
+        metrics.step(step, epoch, s, loss, lr, time.perf_counter() - t0)
+        # One collective per step decides for every rank together (I9): a stop signal, a failed async save.
+        stop_votes, save_failures = rt.sum([float(stop.requested), float(run.ckpt.failed)])
         if save_failures:
-            ckpt.raise_failure()
-        if stop_votes:
-            reason = "stopped"
-        elif step == cfg.train.halt_at:
-            reason = "halted"
-        elif step == cfg.train.steps:
-            reason = "finished"
-        else:
-            reason = None
-        if reason or ckpt.due(step):
-            ckpt.save(step, states, train_state)
+            run.ckpt.raise_failure()
+        reason = ("stopped" if stop_votes else "halted" if step == cfg.train.halt_at
+                  else "finished" if step == cfg.train.steps else None)
+        if reason or run.ckpt.due(step):
+            run.ckpt.save(step, run.states, run.train_state)
         if reason:
             break
-    ckpt.close()
-    bar.close()
-    if metrics:
-        metrics.close()
+    run.ckpt.close()  # drains a pending async save; raises on every rank if it failed
+    metrics.close()
+    report(cfg, rt, stop, reason, step, metrics.losses)
+    return EXIT_STOPPED if reason == "stopped" else 0
+
+
+def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float]) -> None:
     if reason == "stopped" and stop.requested:  # this rank was signalled: it knows when
         (log.info if rt.is_main else log.warning)(
             "stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
@@ -221,7 +273,6 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
         log.info("%s at step %d: loss %.4f (mean of the last %d steps %.4f)", reason, step, losses[-1], len(tail), sum(tail) / len(tail))
     elif rt.is_main:
         log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
-    return EXIT_STOPPED if reason == "stopped" else 0
 
 
 def main(argv: list[str] | None = None) -> int:
