@@ -192,8 +192,9 @@ class Metrics:
     def __init__(self, cfg: Config, rt: runtime.Runtime, run: Run, sampler: BlockDistributedSampler, start: int) -> None:
         self.cfg, self.run, self.sampler = cfg, run, sampler
         self.file = open(Path(cfg.out_dir) / "metrics.jsonl", "a") if rt.is_main else None
-        self.bar = tqdm(total=cfg.train.steps, initial=start, disable=not (rt.is_main and cfg.log.progress),
-                        dynamic_ncols=True, mininterval=1.0)
+        # The bar starts at the resumed step; on a terminal only (a log file gets the step lines).
+        self.bar = tqdm(total=cfg.train.steps, initial=start, dynamic_ncols=True, mininterval=1.0,
+                        disable=not (rt.is_main and cfg.log.progress and sys.stderr.isatty()))
         self.t0 = time.perf_counter()
         self.losses: list[float] = []
 
@@ -212,7 +213,7 @@ class Metrics:
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
-            self.bar.write(f"step {step}/{self.cfg.train.steps} | epoch {epoch} | loss {loss:.4f} | lr {lr:.2e} | {rec['tokens_per_s']:,.0f} tok/s")
+            log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s", step, self.cfg.train.steps, epoch, loss, lr, f"{rec['tokens_per_s']:,.0f}")
 
     def close(self) -> None:
         self.bar.close()

@@ -134,7 +134,7 @@ class LogConfig:
     every: int = 10
     """Print a line every N steps on rank 0 (metrics.jsonl gets every step)."""
     progress: bool = True
-    """Show a tqdm bar on rank 0."""
+    """Show a tqdm bar on rank 0 (when stderr is a terminal)."""
 
     def __post_init__(self) -> None:
         _positive("log.every", self.every)
