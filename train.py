@@ -111,6 +111,7 @@ class Run:
     scaler: torch.amp.GradScaler | None
     train_state: TrainState
     ckpt: CheckpointManager
+    unigram_entropy: float
 
     @property
     def states(self) -> dict:
@@ -130,7 +131,8 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
             "accum": plan.accum, "threads": rt.threads, "reduce": cfg.dist.reduce, "config": to_dict(cfg),
             "data_fingerprint": fingerprint, "run_id": rt.broadcast(new_run_id())}
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
-    run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt)
+    entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)) if rt.is_main else float("nan")
+    run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
     if rt.is_main:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -138,8 +140,7 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
         log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
                  len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
-        log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)",
-                 unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)))
+        log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)", entropy)
     return run
 
 
@@ -258,11 +259,11 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
             break
     run.ckpt.close()  # drains a pending async save; raises on every rank if it failed
     metrics.close()
-    report(cfg, rt, stop, reason, step, metrics.losses)
+    report(cfg, rt, stop, reason, step, metrics.losses, run.unigram_entropy)
     return EXIT_STOPPED if reason == "stopped" else 0
 
 
-def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float]) -> None:
+def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float], entropy: float) -> None:
     if reason == "stopped" and stop.requested:  # this rank was signalled: it knows when
         (log.info if rt.is_main else log.warning)(
             "stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
@@ -271,7 +272,8 @@ def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None,
         log.info("stopped on a signal to another rank at step %d: checkpoint published; exit %d (resume me)", step, EXIT_STOPPED)
     elif rt.is_main and losses:
         tail = losses[-min(10, len(losses)):]
-        log.info("%s at step %d: loss %.4f (mean of the last %d steps %.4f)", reason, step, losses[-1], len(tail), sum(tail) / len(tail))
+        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (the corpus's unigram entropy: %.4f)",
+                 reason, step, losses[-1], len(tail), sum(tail) / len(tail), entropy)
     elif rt.is_main:
         log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
 

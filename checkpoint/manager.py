@@ -187,11 +187,10 @@ class CheckpointManager:
             self._restore_rng(payload)
         except io.CheckpointError as e:
             error = str(e)
-        errors = self.rt.all_gather(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
+        # Every rank loaded; if any failed, all stop here together (no rank enters training alone).
+        failed = [(r, e) for r, e in enumerate(self.rt.all_gather(error)) if e]
         if failed:
-            r, e = failed[0]
-            raise io.CheckpointError(e if r == self.rt.rank or not error else error)
+            raise io.CheckpointError(error or f"rank {failed[0][0]} could not load {path}: {failed[0][1]}")
 
         train = payload["train"]
         self.meta["run_id"] = payload.get("run_id", self.meta.get("run_id"))
@@ -200,6 +199,10 @@ class CheckpointManager:
         resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"), self.meta["run_id"])
         log.info("loaded %s: step %d, epoch %d, %.2fs", path, train["step"], train["epoch"], time.monotonic() - t0)
         self._log_rescale(resumed, train)
+        steps_then = payload.get("config", {}).get("train", {}).get("steps")
+        if steps_then != self.meta["config"]["train"]["steps"]:
+            log.warning("train.steps was %s, now %s: the LR schedule from here on spans the new count",
+                        steps_then, self.meta["config"]["train"]["steps"])
         if resumed.threads is not None and resumed.threads != self.meta.get("threads"):
             log.warning(
                 "the checkpoint was written with %s intra-op threads per process, this run uses %s: "
