@@ -83,20 +83,20 @@ def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg
     what this rank's stream already consumed: `step_in_epoch * accum` (DESIGN.md I4).
     """
     plan, spe = sampler.plan, sampler.plan.steps_per_epoch(len(dataset))
-    epoch, s = divmod(start_step, spe)
+    epoch, first = divmod(start_step, spe)
     while True:
         sampler.set_epoch(epoch)  # before the loader's iterator exists, so workers prefetch this epoch
         loader = DataLoader(
-            dataset, batch_sampler=SkipBatchSampler(sampler, s * plan.accum), num_workers=cfg.data.num_workers,
+            dataset, batch_sampler=SkipBatchSampler(sampler, first * plan.accum), num_workers=cfg.data.num_workers,
             pin_memory=rt.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed + epoch),
             # A SIGTERM to the whole process group must reach the trainer's stop flag, not kill the
             # loader's workers mid-batch; the trainer shuts them down itself.
             worker_init_fn=ignore_stop_signals if cfg.data.num_workers else None,
         )
         it = iter(loader)
-        for s in range(s, spe):
+        for s in range(first, spe):
             yield epoch, s, [next(it) for _ in range(plan.accum)]
-        epoch, s = epoch + 1, 0
+        epoch, first = epoch + 1, 0
 
 
 @dataclass

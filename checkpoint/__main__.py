@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import io
+from .inference import find_checkpoint
 
 
 def inspect_checkpoint(folder: Path) -> dict:
@@ -46,20 +47,14 @@ def inspect_checkpoint(folder: Path) -> dict:
 
 
 def inspect_path(path: Path) -> dict:
+    """A checkpoint folder, or a run folder: its newest valid checkpoint, with every checkpoint listed."""
     if (path / io.MANIFEST).exists():
         return inspect_checkpoint(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    listing, newest = [], None
-    for step, folder in io.list_checkpoints(root):
-        try:
-            io.verify(folder)
-            listing.append({"step": step, "path": str(folder), "valid": True})
-            newest = newest or folder
-        except io.CheckpointError as e:
-            listing.append({"step": step, "path": str(folder), "valid": False, "error": str(e)})
-    if newest is None:
-        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
-    return {**inspect_checkpoint(newest), "checkpoints": listing}
+    newest = find_checkpoint(path)
+    _, listing = io.scan(newest.parent, verify_all=True)
+    return {**inspect_checkpoint(newest), "checkpoints": [
+        {"step": step, "path": str(folder), "valid": error is None, **({"error": error} if error else {})}
+        for step, folder, error in listing]}
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:

@@ -16,13 +16,10 @@ def find_checkpoint(path: Path) -> Path:
     if (path / io.MANIFEST).exists():
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    for _, folder in io.list_checkpoints(root):
-        try:
-            io.verify(folder)
-            return folder
-        except io.CheckpointError:
-            continue
-    raise io.CheckpointError(f"{path}: no valid checkpoint")
+    newest, _ = io.scan(root)
+    if newest is None:
+        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
+    return newest
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:

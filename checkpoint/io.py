@@ -125,6 +125,23 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def scan(root: Path, verify_all: bool = False) -> tuple[Path | None, list[tuple[int, Path, str | None]]]:
+    """The newest checkpoint under `root` that verifies (or None), and the checkpoints looked at,
+    newest first, each with its verification error (None: it verifies). Without `verify_all` the
+    scan stops at the first that verifies."""
+    newest, listing = None, []
+    for step, folder in list_checkpoints(root):
+        if newest is not None and not verify_all:
+            break
+        try:
+            verify(folder)
+            listing.append((step, folder, None))
+            newest = newest or folder
+        except CheckpointError as e:
+            listing.append((step, folder, str(e)))
+    return newest, listing
+
+
 def clear_temporaries(root: Path) -> list[Path]:
     """Remove what killed saves left behind (never loaded, never counted)."""
     removed = []

@@ -139,13 +139,11 @@ class CheckpointManager:
                 raise io.CheckpointError(f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, or use checkpoint.resume=auto with out_dir={mode}")
             io.verify(path)  # an explicit path must verify or the run fails
             return path
-        for step, path in io.list_checkpoints(self.root):
-            try:
-                io.verify(path)
-                return path
-            except io.CheckpointError as e:
-                log.warning("skipping checkpoint step %d: %s", step, e)
-        return None
+        newest, listing = io.scan(self.root)
+        for step, _, error in listing:
+            if error:  # newer than the one chosen: reported, never silently passed over
+                log.warning("skipping checkpoint step %d: %s", step, error)
+        return newest
 
     def load(self, states: dict[str, Stateful], optional: frozenset[str] = frozenset({"scaler"})) -> Resumed | None:
         """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start).

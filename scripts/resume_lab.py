@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from checkpoint import io  # noqa: E402
-from checkpoint.inference import load_model  # noqa: E402
+from checkpoint.inference import find_checkpoint, load_model  # noqa: E402
 from data import PackedDataset, pack, resolve_source  # noqa: E402
 
 ABLATIONS = {
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_sha(run: Path) -> str:
-    return io.verify(run / "checkpoints" / sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))[-1])["model_sha256"]
+    """model_sha256 of a run's newest valid checkpoint, from its manifest."""
+    return io.verify(find_checkpoint(run))["model_sha256"]
 
 
 def table(r: dict) -> str:

@@ -5,8 +5,6 @@ boundaries. Every interrupted run is a sequence of real launches, each a new pro
 """
 import json
 
-import pytest
-import torch
 
 import launch
 from checkpoint.io import safe_load
