@@ -188,11 +188,11 @@ class DDPReduce:
     def backward(self, loss: torch.Tensor, j: int, scale=None) -> None:
         scaled = loss / self.accum
         (scale(scaled) if scale else scaled).backward()
-        self._loss += loss.item() / self.accum
+        self._loss = self._loss + scaled.detach()  # a tensor: no device sync per micro-batch
 
     def reduce(self) -> float:
         """Gradients are already averaged by DDP; return the step's loss averaged over ranks."""
-        local, self._loss = self._loss, 0.0
+        local, self._loss = float(self._loss), 0.0
         return self.rt.sum([local])[0] / self.rt.world_size
 
 
