@@ -30,8 +30,8 @@ from checkpoint import leave_out
 from checkpoint.rng import derive_seed, seed_all
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
-from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack, resolve_source
-from data.prepare import unigram_entropy
+from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
+                  resolve_source, unigram_entropy)
 from model import MiniMindLM
 
 log = logging.getLogger("minimind")

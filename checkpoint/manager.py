@@ -57,7 +57,6 @@ class Resumed:
     world_size: int
     micro_batch: int
     threads: int | None
-    run_id: str
 
 
 def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
@@ -194,7 +193,7 @@ class CheckpointManager:
         self.meta["run_id"] = payload.get("run_id", self.meta.get("run_id"))
         if self.rt.is_main:
             truncate_metrics(self.metrics_path, train["step"])
-        resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"), self.meta["run_id"])
+        resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"))
         log.info("loaded %s: step %d, epoch %d, %.2fs", path, train["step"], train["epoch"], time.monotonic() - t0)
         self._log_rescale(resumed, train)
         steps_then = payload.get("config", {}).get("train", {}).get("steps")
