@@ -9,15 +9,14 @@ import datetime
 import inspect
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from configs import RuntimeConfig
-
-log = logging.getLogger("minimind")
+from configs import ConfigError, RuntimeConfig
 
 
 @dataclass
@@ -42,10 +41,6 @@ class Runtime:
     def comm_device(self) -> torch.device:
         """Where collective tensors live: nccl needs CUDA tensors, gloo takes CPU ones."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
         """All-reduced sums of a few floats (one collective)."""
@@ -100,7 +95,7 @@ def setup(cfg: RuntimeConfig, backend: str, reduce: str, timeout_s: int) -> Runt
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("runtime.device=cuda but CUDA is not available")
+        raise ConfigError("runtime.device=cuda but CUDA is not available (use auto or cpu)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # Any number of GPUs per node: ranks beyond the count share devices (gloo only, see below).
@@ -124,10 +119,10 @@ def setup(cfg: RuntimeConfig, backend: str, reduce: str, timeout_s: int) -> Runt
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         if chosen == "nccl":
             if not use_cuda:
-                raise RuntimeError("dist.backend=nccl needs CUDA; use dist.backend=gloo (or auto) on CPU")
+                raise ConfigError("dist.backend=nccl needs CUDA; use dist.backend=gloo (or auto) on CPU")
             if local_world_size > torch.cuda.device_count():
-                raise RuntimeError(
-                    f"nccl refuses two ranks on one GPU: {local_world_size} local processes, "
+                raise ConfigError(
+                    f"dist.backend=nccl: nccl refuses two ranks on one GPU: {local_world_size} local processes, "
                     f"{torch.cuda.device_count()} GPU(s); use dist.backend=gloo to share a GPU"
                 )
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
@@ -180,8 +175,6 @@ class DDPReduce:
         self._loss = 0.0
 
     def no_sync(self, j: int):
-        from contextlib import nullcontext
-
         last = j == self.accum - 1
         return self.net.no_sync() if (self.net is not self.model and not last) else nullcontext()
 
@@ -217,8 +210,6 @@ class CanonicalReduce:
         return (self.local.numel() + self.gathered.numel()) * 4
 
     def no_sync(self, j: int):
-        from contextlib import nullcontext
-
         return nullcontext()
 
     def backward(self, loss: torch.Tensor, j: int, scale=None) -> None:

@@ -292,15 +292,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop = StopFlag()  # first: a signal during set-up is acted on at the first step boundary
-    rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
-    runtime.setup_logging(rt)
+    rt = None
     try:
+        rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
+        runtime.setup_logging(rt)
         return train(cfg, rt, stop)
     except (ConfigError, DataError, BatchPlanError, CheckpointError) as e:
-        log.error("error: %s", e)
+        if rt is None:  # logging is not set up yet
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            log.error("error: %s", e)
         return 2 if not isinstance(e, CheckpointError) else 1
     finally:
-        runtime.teardown(rt)
+        if rt is not None:
+            runtime.teardown(rt)
         stop.restore()
 
 

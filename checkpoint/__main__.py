@@ -13,12 +13,10 @@ import sys
 from pathlib import Path
 
 from . import io
-from .inference import find_checkpoint
 
 
-def inspect_checkpoint(folder: Path) -> dict:
-    """Verify `folder` against its manifest and describe it; raises CheckpointError if it is not valid."""
-    manifest = io.verify(folder)
+def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
+    """Describe a verified checkpoint folder (`manifest` is what `io.verify` returned for it)."""
     payload = io.safe_load(folder / io.RESUME_FILE)
     train = payload["train"]
     sha = io.model_sha256(payload["model"])
@@ -49,10 +47,12 @@ def inspect_checkpoint(folder: Path) -> dict:
 def inspect_path(path: Path) -> dict:
     """A checkpoint folder, or a run folder: its newest valid checkpoint, with every checkpoint listed."""
     if (path / io.MANIFEST).exists():
-        return inspect_checkpoint(path)
-    newest = find_checkpoint(path)
-    _, listing = io.scan(newest.parent, verify_all=True)
-    return {**inspect_checkpoint(newest), "checkpoints": [
+        return inspect_checkpoint(path, io.verify(path))
+    root = io.checkpoints_root(path)
+    newest, listing = io.scan(root, verify_all=True)
+    if newest is None:
+        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
+    return {**inspect_checkpoint(newest, io.read_manifest(newest)), "checkpoints": [
         {"step": step, "path": str(folder), "valid": error is None, **({"error": error} if error else {})}
         for step, folder, error in listing]}
 

@@ -10,16 +10,17 @@ from model import MiniMindLM, ModelConfig
 from . import io
 
 
-def find_checkpoint(path: Path) -> Path:
-    """`path` if it is a checkpoint folder, else the newest valid checkpoint of a run folder."""
+def find_checkpoint(path: Path) -> tuple[Path, dict]:
+    """(folder, verified manifest): `path` if it is a checkpoint folder (it must verify), else the
+    newest checkpoint of a run folder that verifies."""
     path = Path(path)
     if (path / io.MANIFEST).exists():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        return path, io.verify(path)
+    root = io.checkpoints_root(path)
     newest, _ = io.scan(root)
     if newest is None:
         raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
-    return newest
+    return newest, io.read_manifest(newest)  # scan verified it
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
@@ -28,8 +29,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     The folder is verified against its manifest first, the model's shape comes from the manifest's
     config, and the weights are read with `weights_only=True`: nothing in the files can run.
     """
-    folder = find_checkpoint(path)
-    manifest = io.verify(folder)
+    folder, manifest = find_checkpoint(path)
     cfg = ModelConfig(**manifest["config"]["model"])
     weights = io.safe_load(folder / io.WEIGHTS_FILE, map_location="cpu")
     model = MiniMindLM(cfg)

@@ -74,7 +74,7 @@ def _write_file(path: Path, obj: Any) -> dict:
     return {"bytes": w.size, "sha256": w.sha.hexdigest()}
 
 
-def _test_delay(name: str) -> None:
+def _test_delay() -> None:
     # Test hook: stretch a save between two files so that a test can kill it mid-write.
     delay = float(os.environ.get("CKPT_TEST_WRITE_DELAY_S", "0") or 0)
     if delay:
@@ -95,7 +95,7 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
         entries = {}
         for name, obj in files.items():
             entries[name] = _write_file(tmp / name, obj)
-            _test_delay(name)
+            _test_delay()
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
         _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)
@@ -142,6 +142,11 @@ def scan(root: Path, verify_all: bool = False) -> tuple[Path | None, list[tuple[
     return newest, listing
 
 
+def checkpoints_root(run: Path) -> Path:
+    """The folder holding `step_*` checkpoints: `run/checkpoints` for a run folder, else `run`."""
+    return run / "checkpoints" if (run / "checkpoints").is_dir() else run
+
+
 def clear_temporaries(root: Path) -> list[Path]:
     """Remove what killed saves left behind (never loaded, never counted)."""
     removed = []
@@ -175,8 +180,8 @@ def read_manifest(folder: Path) -> dict:
     return body
 
 
-def verify(folder: Path, hashes: bool = True) -> dict:
-    """The manifest of `folder` after checking every file's size (and sha256) against it."""
+def verify(folder: Path) -> dict:
+    """The manifest of `folder` after checking every file's size and sha256 against it."""
     body = read_manifest(folder)
     for name, entry in body["files"].items():
         path = folder / name
@@ -185,13 +190,12 @@ def verify(folder: Path, hashes: bool = True) -> dict:
         size = path.stat().st_size
         if size != entry.get("bytes"):
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry.get('bytes')} (truncated or replaced)")
-        if hashes:
-            sha = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    sha.update(block)
-            if sha.hexdigest() != entry.get("sha256"):
-                raise CheckpointError(f"{path}: sha256 {sha.hexdigest()[:12]}... does not match the manifest's {str(entry.get('sha256'))[:12]}... (corrupted)")
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                sha.update(block)
+        if sha.hexdigest() != entry.get("sha256"):
+            raise CheckpointError(f"{path}: sha256 {sha.hexdigest()[:12]}... does not match the manifest's {str(entry.get('sha256'))[:12]}... (corrupted)")
     return body
 
 

@@ -59,12 +59,17 @@ class Resumed:
     threads: int | None
 
 
+def _share_key(t: torch.Tensor) -> tuple:
+    """Two state_dict entries with this key are one tensor (tied embeddings): copy it once."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
     """A deep copy with every tensor in (pinned) CPU memory: the snapshot an async save works from.
     Tensors that share memory (tied embeddings) stay shared, so the file matches a sync save's."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
+        key = _share_key(obj)
         if key not in memo:
             if pin:
                 memo[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach())
@@ -83,10 +88,10 @@ def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
 
 def half_weights(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fp16 copy for inference (MiniMind's convention); tied tensors stay one tensor."""
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[tuple, torch.Tensor] = {}
     out = {}
     for k, v in model_state.items():
-        key = v.untyped_storage().data_ptr() if v.numel() else id(v)
+        key = _share_key(v)
         if key not in seen:
             seen[key] = v.detach().to("cpu", torch.float16) if v.is_floating_point() else v.detach().cpu()
         out[k] = seen[key]

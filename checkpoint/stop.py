@@ -7,12 +7,10 @@ together; nobody waits on a collective that another rank already left (DESIGN.md
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
 
-log = logging.getLogger("minimind")
 
 EXIT_STOPPED = 75
 """Exit code of a run that stopped early on a signal after saving: "resume me" (EX_TEMPFAIL)."""

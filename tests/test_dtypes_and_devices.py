@@ -51,6 +51,12 @@ def test_a_checkpoint_written_on_cuda_loads_on_a_cpu_only_machine(tmp_path):
     assert loaded["model"]["w"].device.type == "cpu" and torch.equal(loaded["model"]["w"], torch.arange(4.0))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_one_is_a_config_error_not_a_traceback(tmp_path, tiny, capsys):
+    code, err = launch.in_process(capsys, *tiny, "runtime.device=cuda", f"out_dir={tmp_path}")
+    assert code == 2 and "runtime.device=cuda but CUDA is not available" in err and "Traceback" not in err
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs these on a GPU)")
 
 

@@ -91,12 +91,16 @@ def test_a_global_batch_that_does_not_divide_is_an_error_suggesting_micro_batche
         BatchPlan(24, 1, 5)
 
 
-def test_the_order_is_one_tensor_and_skipping_far_costs_no_iteration():
+def test_the_order_is_one_tensor_and_skipping_far_computes_no_skipped_batch(monkeypatch):
     sampler = BlockDistributedSampler(10_000_000, BatchPlan(1024, 64, 2), 1, SEED)
     assert sampler.order().dtype == torch.int64 and sampler.order().numel() == 10_000_000
+    positions = []
+    real = sampler.global_position
+    monkeypatch.setattr(sampler, "global_position", lambda k: positions.append(k) or real(k))
     it = iter(SkipBatchSampler(sampler, len(sampler) - 1))
     last = next(it)
     assert len(last) == 64 and next(it, None) is None
+    assert positions == [len(sampler) - 1]  # only the batch it yielded: the skip is arithmetic
 
 
 def test_a_world_size_that_does_not_divide_the_micro_batches_names_the_sizes_that_work():
