@@ -87,6 +87,22 @@ def default_threads(cfg: RuntimeConfig, reduce: str, local_world_size: int) -> i
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
+def attempt_store(env, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store for this restart attempt when torchrun shares its own TCPStore with the workers.
+
+    torchrun (2.13) keeps one shared store for all of a run's restart attempts and, unlike older
+    releases, no longer gives each attempt a key prefix of its own: after `--max-restarts` restarts
+    the workers, the new process group can read the previous attempt's keys (the dead workers'
+    addresses) and hang in its first connect. Prefixing with TORCHELASTIC_RESTART_COUNT, as torch
+    itself once did, gives every attempt fresh keys. None: the default env:// set-up is safe
+    (plain torchrun without a shared store, or no torchrun).
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def setup(cfg: RuntimeConfig, backend: str, reduce: str, timeout_s: int) -> Runtime:
     """Read torchrun's environment, pick the device and backend, start the process group."""
     env = os.environ
@@ -125,7 +141,12 @@ def setup(cfg: RuntimeConfig, backend: str, reduce: str, timeout_s: int) -> Runt
                     f"dist.backend=nccl: nccl refuses two ranks on one GPU: {local_world_size} local processes, "
                     f"{torch.cuda.device_count()} GPU(s); use dist.backend=gloo to share a GPU"
                 )
-        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = attempt_store(env, world_size, timeout)
+        if store is None:
+            dist.init_process_group(chosen, timeout=timeout)
+        else:
+            dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return Runtime(rank, local_rank, world_size, local_world_size, device, chosen, threads)
 
 
