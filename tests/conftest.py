@@ -12,6 +12,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+@pytest.fixture(autouse=True)
+def no_launch_outlives_its_test():
+    """A test that fails while a launch it started is still running (a timed-out wait) must not leave
+    that torchrun and its workers behind for the rest of the session."""
+    import signal
+
+    import launch
+
+    yield
+    while launch.STARTED:
+        proc = launch.STARTED.pop()
+        if proc.poll() is None:
+            launch.kill_tree(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 WORDS = (
     "the a model data step epoch resume checkpoint rank world size batch order seed loss weight "
     "optimizer state signal save load file folder sample token byte train run stop kill exact bit "

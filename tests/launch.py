@@ -43,10 +43,15 @@ def inspect(path: Path) -> dict:
     return inspect_path(Path(path))
 
 
+STARTED: list[subprocess.Popen] = []  # what start() launched; conftest kills what a failed test left running
+
+
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start a launch in a session of its own, output to `log`."""
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
+    STARTED.append(proc)
+    return proc
 
 
 def children(pid: int) -> list[int]:

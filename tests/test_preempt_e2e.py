@@ -76,27 +76,52 @@ def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(tmp_path, e
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [stopped]
 
 
-def test_each_torchrun_restart_attempt_sees_only_its_own_keys_in_the_shared_store():
+def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_shared_store():
     """torch 2.13 shares one store across restart attempts; a restarted worker must not read the keys
-    (peer addresses) the previous attempt's dead workers left there."""
+    (peer addresses) the previous attempt's dead workers left there, and every rank of an attempt,
+    on whichever node, must use the same fresh prefix."""
     import datetime
+    import threading
+    import time
 
     import torch.distributed as dist
 
-    from runtime import attempt_store
+    from runtime import agree_on_attempt, attempt_store
 
-    timeout = datetime.timedelta(seconds=10)
+    timeout = datetime.timedelta(seconds=20)
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
-    first = attempt_store({**env, "TORCHELASTIC_RESTART_COUNT": "0"}, 1, timeout)
-    first.set("default_pg/0//cpu/rank_1", "address of a worker that has since been SIGKILLed")
-    again = attempt_store({**env, "TORCHELASTIC_RESTART_COUNT": "0"}, 1, timeout)
-    restarted = attempt_store({**env, "TORCHELASTIC_RESTART_COUNT": "1"}, 1, timeout)
-    assert again.check(["default_pg/0//cpu/rank_1"])  # one attempt: one key space
-    assert not restarted.check(["default_pg/0//cpu/rank_1"])
+
+    def launch_ranks(world, late=()):
+        """Every rank of one attempt in a thread of its own, each with its own store client;
+        the ranks in `late` start half a second after the others."""
+        names = [None] * world
+
+        def rank(r):
+            if r in late:
+                time.sleep(0.5)
+            client = dist.TCPStore("127.0.0.1", server.port, world, is_master=False, timeout=timeout)
+            names[r] = agree_on_attempt(client, r, world, timeout)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        [t.start() for t in threads]
+        [t.join(timeout=30) for t in threads]
+        return names
+
+    first = launch_ranks(3)
+    assert first[0] and first == [first[0]] * 3
+    server.set("attempt-ask/2", "a nonce of a rank SIGKILLed before it got its answer")
+    again = launch_ranks(3, late=(1, 2))  # rank 0 first, so it reads what the dead ranks left
+    assert again[0] and again == [again[0]] * 3 and again[0] != first[0]
+    third = launch_ranks(3, late=(0,))  # ranks 1 and 2 first, so they find the earlier answers there
+    assert third[0] and third == [third[0]] * 3 and third[0] not in (first[0], again[0])
+
+    # through attempt_store, as train.py uses it: one attempt's keys are invisible to the next
+    attempt_store(env, 0, 1, timeout).set("default_pg/0//cpu/rank_1", "address of a worker since SIGKILLed")
+    assert not attempt_store(env, 0, 1, timeout).check(["default_pg/0//cpu/rank_1"])
     # torchrun without a shared store (or plain python): the default env:// set-up is left alone
-    assert attempt_store({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}, 1, timeout) is None
-    assert attempt_store({}, 1, timeout) is None
+    assert attempt_store({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}, 0, 1, timeout) is None
+    assert attempt_store({}, 0, 1, timeout) is None
 
 
 def test_torchrun_restarts_sigkilled_workers_and_they_resume_by_themselves(tmp_path, epochs, reference):
@@ -120,6 +145,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def start_node(tmp_path, node: int, port: int, out, *args: str, env: dict | None = None, tag: str = ""):
     """One torchrun "node" of a two-node job (one process each) with a c10d rendezvous on 127.0.0.1:port."""
     cmd = [launch.PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}",
@@ -127,18 +157,26 @@ def start_node(tmp_path, node: int, port: int, out, *args: str, env: dict | None
     return launch.start([*cmd, f"out_dir={out}"], tmp_path / f"node{node}{tag}-{port}.log", env=env)
 
 
-def test_two_torchrun_nodes_train_and_resume_with_only_global_rank_0_writing(tmp_path, epochs, reference):
+def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_rank_0_writing(tmp_path, epochs, reference):
+    """Two "nodes" with torchrun's shared store (the default): a worker SIGKILLed on node 1 makes
+    node 1 restart for the failure and node 0 for the membership change, so their restart counts
+    differ, and the restarted workers must still agree on one store prefix (runtime.attempt_store).
+    Then a fresh two-node launch resumes the halted run to the end."""
     shared, node1_dir = tmp_path / "shared", tmp_path / "node1"
 
     def two_nodes(*extra):
         port = free_port()
         # node 1 is told another folder: it must write nothing there
-        procs = [start_node(tmp_path, node, port, out, "train.py", *epochs, *extra) for node, out in ((0, shared), (1, node1_dir))]
-        assert [p.wait(timeout=240) for p in procs] == [0, 0]
+        return [start_node(tmp_path, node, port, out, "--max-restarts=1", "train.py", *epochs, *extra)
+                for node, out in ((0, shared), (1, node1_dir))]
 
-    two_nodes("train.halt_at=7")
-    assert [s for s, _ in list_checkpoints(shared / "checkpoints")] == [7]
-    two_nodes()
+    procs = two_nodes("checkpoint.interval=4", "train.halt_at=14")
+    launch.wait_for(lambda: (shared / "checkpoints" / "step_00000008").exists(), proc=procs[0])
+    launch.os.kill(launch.workers(procs[1].pid)[0], signal.SIGKILL)
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    assert max(s for s, _ in list_checkpoints(shared / "checkpoints")) == 14
+    assert "".join(p.read_text() for p in tmp_path.glob("node*.log")).count("loaded ") == 1  # the restart's
+    assert [p.wait(timeout=180) for p in two_nodes()] == [0, 0]
     assert not node1_dir.exists() or not any(node1_dir.rglob("*"))
     assert_identical(shared, reference(2))
 
@@ -153,6 +191,9 @@ def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, ep
     # One out_dir for every node, as on a cluster: whichever node holds global rank 0 after the
     # new rendezvous writes there.
     survivor = start_node(tmp_path, 0, port, shared, *args, env=env)
+    # The first torchrun to bind the rendezvous endpoint hosts the rendezvous store, and the job
+    # cannot outlive its host: let the survivor be it, as the node at --rdzv-endpoint is on a cluster.
+    launch.wait_for(lambda: listening(port), proc=survivor)
     doomed = start_node(tmp_path, 1, port, shared, *args, env=env)
     launch.wait_for(lambda: (shared / "checkpoints" / "step_00000008").exists(), proc=survivor)
     launch.kill_tree(doomed.pid, signal.SIGKILL)  # the node goes away: its agent and its worker
