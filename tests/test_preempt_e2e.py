@@ -159,8 +159,9 @@ def start_node(tmp_path, node: int, port: int, out, *args: str, env: dict | None
 
 def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_rank_0_writing(tmp_path, epochs, reference):
     """Two "nodes" with torchrun's shared store (the default): a worker SIGKILLed on node 1 makes
-    node 1 restart for the failure and node 0 for the membership change, so their restart counts
-    differ, and the restarted workers must still agree on one store prefix (runtime.attempt_store).
+    node 1 restart for the failure and, as a rule, node 0 for the membership change without counting
+    it (every such run here), so their restart counts differ; the restarted workers must still agree
+    on one store prefix (runtime.attempt_store).
     Then a fresh two-node launch resumes the halted run to the end."""
     shared, node1_dir = tmp_path / "shared", tmp_path / "node1"
 
