@@ -104,8 +104,10 @@ def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_s
             names[r] = agree_on_attempt(client, r, world, timeout)
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-        [t.start() for t in threads]
-        [t.join(timeout=30) for t in threads]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
         return names
 
     first = launch_ranks(3)
@@ -186,7 +188,7 @@ def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, ep
     """A spot node taken away with its agent: the surviving node's torchrun restarts its worker, a
     replacement node joins the rendezvous, and both resume from the newest checkpoint. torch 2.13 does
     not announce its shared worker store to a node that joins later, so elastic jobs that replace
-    nodes run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, "Several nodes")."""
+    nodes run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, "A node that is replaced")."""
     shared, port, env = tmp_path / "shared", free_port(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     args = ["--max-restarts=1", "train.py", *epochs, "checkpoint.interval=4"]
     # One out_dir for every node, as on a cluster: whichever node holds global rank 0 after the
