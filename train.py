@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import runtime
-from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, StopFlag, TrainState, model_sha256, new_run_id
-from checkpoint import leave_out
+from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, StopFlag, TrainState, model_sha256, new_run_id
+from checkpoint import leave_out, runfolder
 from checkpoint.rng import derive_seed, seed_all
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
@@ -134,8 +134,6 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
     entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)) if rt.is_main else float("nan")
     run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
     if rt.is_main:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
         log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
@@ -192,7 +190,7 @@ class Metrics:
 
     def __init__(self, cfg: Config, rt: runtime.Runtime, run: Run, sampler: BlockDistributedSampler, start: int) -> None:
         self.cfg, self.run, self.sampler = cfg, run, sampler
-        self.file = open(Path(cfg.out_dir) / "metrics.jsonl", "a") if rt.is_main else None
+        self.file = open(Path(cfg.out_dir) / runfolder.METRICS, "a") if rt.is_main else None
         # The bar starts at the resumed step; on a terminal only (a log file gets the step lines).
         self.bar = tqdm(total=cfg.train.steps, initial=start, dynamic_ncols=True, mininterval=1.0,
                         disable=not (rt.is_main and cfg.log.progress and sys.stderr.isatty()))
@@ -222,9 +220,12 @@ class Metrics:
             self.file.close()
 
 
-def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
+def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
+    """The run, from build to the last save. Returns how it ended (finished, halted, stopped) and its step."""
     run = build(cfg, rt)
     resumed = run.ckpt.load(leave_out.states_to_load(run.states, cfg.lab.leave_out))
+    if rt.is_main:  # after the load: a run that cannot resume leaves the folder as it found it
+        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     where = leave_out.apply(cfg.lab.leave_out, resumed, run.model, run.train_state, run.steps_per_epoch, rt.world_size)
     reducer = make_reducer(cfg, rt, run)
     sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed)
@@ -260,7 +261,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> int:
     run.ckpt.close()  # drains a pending async save; raises on every rank if it failed
     metrics.close()
     report(cfg, rt, stop, reason, step, metrics.losses, run.unigram_entropy)
-    return EXIT_STOPPED if reason == "stopped" else 0
+    return reason or ("halted" if halted else "finished"), step
 
 
 def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float], entropy: float) -> None:
@@ -292,21 +293,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop = StopFlag()  # first: a signal during set-up is acted on at the first step boundary
-    rt = None
+    rt = lock = None
+    clean = False  # every rank reached the end together
     try:
         rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
         runtime.setup_logging(rt)
-        return train(cfg, rt, stop)
-    except (ConfigError, DataError, BatchPlanError, CheckpointError) as e:
+        lock = take_run_folder(cfg, rt)
+        state, step = train(cfg, rt, stop)
+        code = runfolder.EXIT_CODES[state]
+        if lock:
+            runfolder.write_status(lock.out_dir, state, step, code)
+        clean = True
+        return code
+    except (ConfigError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError) as e:
         if rt is None:  # logging is not set up yet
             print(f"error: {e}", file=sys.stderr)
         else:
             log.error("error: %s", e)
-        return 2 if not isinstance(e, CheckpointError) else 1
+        code = 1 if isinstance(e, CheckpointError) and not isinstance(e, CheckpointMismatch) else 2
+        if lock:
+            runfolder.write_status(lock.out_dir, "failed", None, code, str(e))
+        return code
+    except BaseException as e:  # a bug: the traceback goes on, the status says it failed
+        if lock:
+            runfolder.write_status(lock.out_dir, "failed", None, 1, f"{type(e).__name__}: {e}")
+        raise
     finally:
         if rt is not None:
-            runtime.teardown(rt)
+            runtime.teardown(rt, clean)
+        if lock:
+            lock.release()
         stop.restore()
+
+
+def take_run_folder(cfg: Config, rt: runtime.Runtime) -> runfolder.RunLock | None:
+    """Global rank 0 locks out_dir before anything touches it (DESIGN.md I12); every rank learns
+    the outcome, so all of them refuse together when another run holds the folder."""
+    lock, outcome = None, None
+    if rt.is_main:
+        try:
+            lock = runfolder.acquire(Path(cfg.out_dir), cfg.checkpoint.lock_timeout_s)
+            runfolder.write_status(lock.out_dir, "running")
+        except (runfolder.RunFolderError, OSError) as e:
+            outcome = str(e)
+    outcome = rt.broadcast(outcome)
+    if outcome:
+        raise runfolder.RunFolderError(outcome)
+    return lock
 
 
 if __name__ == "__main__":

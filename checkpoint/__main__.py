@@ -1,6 +1,12 @@
 """`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
 `python -m checkpoint compare RUN_A RUN_B`: are two runs bit-identical (weights and every logged loss)?
 `python -m checkpoint generate PATH --prompt "..."`: the fp16 weights, loaded safely, continuing a prompt.
+`python -m checkpoint status RUN`: the run's state (running, stopped at step S, finished, halted,
+failed with its cause) and who holds the run folder; with --exit-code, exit with the run's code
+(the launch scripts use it, since torchrun's own exit status does not say "stopped, resume me").
+
+Exit codes: 0 success (compare: identical); 1 compare: the runs differ; 2 bad input (a path that is
+not a checkpoint, a damaged or tampered one, an unreadable metrics.jsonl).
 
 PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
 checkpoint is inspected, and every checkpoint is listed with its validity).
@@ -12,12 +18,18 @@ import json
 import sys
 from pathlib import Path
 
-from . import io
+from . import io, runfolder
 
 
 def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
     """Describe a verified checkpoint folder (`manifest` is what `io.verify` returned for it)."""
-    payload = io.safe_load(folder / io.RESUME_FILE)
+    try:
+        return _describe(folder, manifest, io.safe_load(folder / io.RESUME_FILE))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
+
+
+def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
     train = payload["train"]
     sha = io.model_sha256(payload["model"])
     optimizer_bytes = sum(t.numel() * t.element_size() for st in payload["optimizer"]["state"].values() for t in st.values() if hasattr(t, "numel"))
@@ -58,10 +70,19 @@ def inspect_path(path: Path) -> dict:
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
-    path = run / "metrics.jsonl"
+    path = run / runfolder.METRICS
     if not path.exists():
         return []
-    return [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())]
+    out = []
+    try:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            m = json.loads(line)
+            out.append((int(m["step"]), float(m["loss"])))
+    except (OSError, UnicodeDecodeError) as e:
+        raise io.CheckpointError(f"{path}: cannot be read ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise io.CheckpointError(f"{path}:{lineno}: not a metrics line with 'step' and 'loss' ({type(e).__name__}: {e})") from None
+    return out
 
 
 def compare_runs(a: Path, b: Path) -> dict:
@@ -88,6 +109,31 @@ def compare_runs(a: Path, b: Path) -> dict:
     }
 
 
+def status(args: argparse.Namespace) -> int:
+    """Print the run's status record; with --exit-code, the exit code a scheduler should see."""
+    if not args.run.is_dir():
+        raise runfolder.RunFolderError(f"{args.run}: not a run folder")
+    if args.exit_code and not runfolder.wait_until_free(args.run, args.wait_s):
+        # Workers that outlived their torchrun are still saving: their outcome is not known yet.
+        print(f"status: {args.run} is still held by {runfolder.describe_holder(runfolder.read_holder(args.run))} "
+              f"after {args.wait_s:g} s", file=sys.stderr)
+        return args.fallback or 1
+    record = runfolder.read_status(args.run)
+    held = not runfolder.wait_until_free(args.run, 0)
+    print(json.dumps({**(record or {"state": None}), "held_by": runfolder.read_holder(args.run) if held else None}, indent=1))
+    if not args.exit_code:
+        return 0
+    fallback = args.fallback if args.fallback in (0, 1, 2) else 1  # a death by signal is a failure (1)
+    if record is None or (args.launch_id and record.get("launch_id") != args.launch_id):
+        print(f"status: {args.run} has no status from this launch; exit {fallback} from the launcher's code {args.fallback}", file=sys.stderr)
+        return fallback
+    if record["state"] == "running":  # the holder is gone without a word: killed
+        print(f"status: the run in {args.run} died without recording an outcome (killed?)", file=sys.stderr)
+        return fallback or 1
+    code = record.get("exit_code")
+    return code if code in (0, 1, 2, 75) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,8 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=0)
+    st = sub.add_parser("status", help="print the run's state (status.json) and who holds the run folder")
+    st.add_argument("run", type=Path)
+    st.add_argument("--exit-code", action="store_true",
+                    help="wait until no process holds the folder, then exit with the run's exit code (75: stopped, resume me)")
+    st.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
+    st.add_argument("--fallback", type=int, default=1, help="with --exit-code: the code when the status is not this launch's (default 1)")
+    st.add_argument("--wait-s", type=float, default=300.0, help="with --exit-code: how long to wait for the folder's holder")
     args = parser.parse_args(argv)
     try:
+        if args.verb == "status":
+            return status(args)
         if args.verb == "generate":
             from .inference import generate, load_model
 
@@ -116,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare_runs(args.run_a, args.run_b)
         print(json.dumps(result, indent=1))
         return 0 if result["identical"] else 1
-    except io.CheckpointError as e:
+    except (io.CheckpointError, runfolder.RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,10 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     config, and the weights are read with `weights_only=True`: nothing in the files can run.
     """
     folder, manifest = find_checkpoint(path)
-    cfg = ModelConfig(**manifest["config"]["model"])
+    try:
+        cfg = ModelConfig(**manifest["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise io.CheckpointError(f"{folder / io.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
     weights = io.safe_load(folder / io.WEIGHTS_FILE, map_location="cpu")
     model = MiniMindLM(cfg)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)

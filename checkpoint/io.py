@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,10 @@ import torch
 RESUME_FILE = "resume.pth"
 WEIGHTS_FILE = "weights_fp16.pth"
 MANIFEST = "manifest.json"
+FILES = frozenset({RESUME_FILE, WEIGHTS_FILE})
+"""The only names a manifest may list: a manifest never decides which files are opened."""
 FORMAT = 1
+log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
@@ -35,16 +38,29 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder or file and what failed."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """The checkpoints are sound but this run's settings do not fit them (another model, corpus,
+    seed or global batch; resume=never over existing checkpoints): bad input, exit 2 not 1."""
+
+
 class HashingWriter:
-    """File-like wrapper that hashes and counts bytes as `torch.save` writes them (nothing is read back)."""
+    """File-like wrapper that hashes and counts bytes as `torch.save` writes them (nothing is read back).
+
+    The first OSError is kept: torch's zip writer replaces it with "unexpected pos", and the caller
+    re-raises the real one ("No space left on device", with the path)."""
 
     def __init__(self, f) -> None:
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, b) -> int:
         self.sha.update(b)
         self.size += len(b)
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -63,22 +79,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_file(path: Path, obj: Any) -> dict:
-    with open(path, "wb") as f:
-        w = HashingWriter(f)
-        if isinstance(obj, bytes):
-            w.write(obj)
-        else:
-            torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
+    w = None
+    try:
+        with open(path, "wb") as f:
+            w = HashingWriter(f)
+            if isinstance(obj, bytes):
+                w.write(obj)
+            else:
+                torch.save(obj, w)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        if w is not None and w.error is not None and w.error is not e:
+            real = w.error
+            raise OSError(real.errno, real.strerror or str(real), str(path)) from e
+        if isinstance(e, OSError) and not e.filename:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
     return {"bytes": w.size, "sha256": w.sha.hexdigest()}
-
-
-def _test_delay() -> None:
-    # Test hook: stretch a save between two files so that a test can kill it mid-write.
-    delay = float(os.environ.get("CKPT_TEST_WRITE_DELAY_S", "0") or 0)
-    if delay:
-        time.sleep(delay)
 
 
 def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Path:
@@ -95,7 +113,6 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
         entries = {}
         for name, obj in files.items():
             entries[name] = _write_file(tmp / name, obj)
-            _test_delay()
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
         _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)
@@ -105,7 +122,7 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
             trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)
             os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
@@ -117,11 +134,29 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
     return final
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every `step_*` folder under root, newest first (validity not checked)."""
-    if not root.is_dir():
+def _remove(path: Path) -> None:
+    """Delete a folder this trainer made; a symbolic link is unlinked, never followed."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def list_checkpoints(root: Path, warn: bool = False) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_*` folder under root, newest first (validity not checked).
+    A `step_*` that is a symbolic link is never followed (skipped, with a warning when `warn`)."""
+    if not root.is_dir() or root.is_symlink():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    found = []
+    for p in root.iterdir():
+        if not (m := _NAME.match(p.name)):
+            continue
+        if p.is_symlink():
+            if warn:
+                log.warning("skipping %s: a symbolic link (checkpoints are never followed through links)", p)
+            continue
+        if p.is_dir():
+            found.append((int(m.group(1)), p))
     return sorted(found, reverse=True)
 
 
@@ -130,7 +165,7 @@ def scan(root: Path, verify_all: bool = False) -> tuple[Path | None, list[tuple[
     newest first, each with its verification error (None: it verifies). Without `verify_all` the
     scan stops at the first that verifies."""
     newest, listing = None, []
-    for step, folder in list_checkpoints(root):
+    for step, folder in list_checkpoints(root, warn=True):
         if newest is not None and not verify_all:
             break
         try:
@@ -153,39 +188,69 @@ def clear_temporaries(root: Path) -> list[Path]:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
                 removed.append(p)
     return removed
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints, oldest first. Call only after publishing."""
+def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
+    """Delete all but the newest `keep` valid checkpoints, oldest first. Call only after publishing.
+
+    Only checkpoints in `owned` (this run verified or published them) count and may go; another
+    `step_*` folder is verified first and joins `owned` when it passes. A folder that does not
+    verify is reported, never counted toward `keep`, never deleted; links are never followed."""
+    valid = []
+    for _, p in list_checkpoints(root):
+        if p not in owned:
+            try:
+                verify(p)
+                owned.add(p)
+            except CheckpointError as e:
+                log.warning("not pruning %s: it does not verify (%s); left for you to inspect", p, e)
+                continue
+        valid.append(p)
     removed = []
-    for _, p in reversed(list_checkpoints(root)[keep:]):
+    for p in reversed(valid[keep:]):
         shutil.rmtree(p)
+        owned.discard(p)
         removed.append(p)
     return removed
 
 
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: a symbolic link; refused")
     try:
         body = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an unfinished or foreign folder)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: does not parse ({e})") from None
-    if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or "step" not in body:
-        raise CheckpointError(f"{path}: not a checkpoint manifest (no 'files' or 'step')")
+    if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or not isinstance(body.get("step"), int):
+        raise CheckpointError(f"{path}: not a checkpoint manifest (no 'files' mapping or integer 'step')")
+    for name, entry in body["files"].items():
+        # Confined to its folder: plain names of the files this trainer writes, nothing else.
+        if name not in FILES:
+            raise CheckpointError(f"{path}: lists {name!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))})")
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
+            raise CheckpointError(f"{path}: the entry for {name} is not {{'bytes': int, 'sha256': str}}")
+    if RESUME_FILE not in body["files"]:
+        raise CheckpointError(f"{path}: does not list {RESUME_FILE}")
+    m = _NAME.match(folder.name)
+    if m and int(m.group(1)) != body["step"]:
+        raise CheckpointError(f"{path}: says step {body['step']}, but the folder is {folder.name}")
     return body
 
 
 def verify(folder: Path) -> dict:
     """The manifest of `folder` after checking every file's size and sha256 against it."""
+    if folder.is_symlink():
+        raise CheckpointError(f"{folder}: a symbolic link; checkpoints are never followed through links")
     body = read_manifest(folder)
     for name, entry in body["files"].items():
         path = folder / name
-        if not path.is_file():
+        if path.is_symlink() or not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in the manifest)")
         size = path.stat().st_size
         if size != entry.get("bytes"):
@@ -208,10 +273,11 @@ def safe_load(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message suggests retrying with weights_only=False: exactly what must not happen.
+        found = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+", str(e))
         raise CheckpointError(
             f"{path}: not a plain checkpoint: it needs pickled objects beyond tensors and containers; "
-            f"refused without running them ({first})"
+            f"refused without running them{f' ({found.group(0)})' if found else ''}"
         ) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None

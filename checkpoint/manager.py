@@ -22,7 +22,7 @@ import torch
 from configs import CheckpointConfig
 from runtime import Runtime
 
-from . import io, rng
+from . import io, rng, runfolder
 
 log = logging.getLogger("minimind")
 RESUME_FORMAT = "minimind-resume/1"
@@ -125,8 +125,9 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, out_dir: Path, rt: Runtime, meta: dict) -> None:
         self.cfg, self.rt, self.meta = cfg, rt, dict(meta)
-        self.root = Path(out_dir) / "checkpoints"
-        self.metrics_path = Path(out_dir) / "metrics.jsonl"
+        self.root = Path(out_dir) / runfolder.CHECKPOINTS
+        self.metrics_path = Path(out_dir) / runfolder.METRICS
+        self.owned: set[Path] = set()  # checkpoints this run verified or published: the only ones pruning may delete
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if cfg.async_ and rt.is_main else None
         self._pending: Future | None = None
         self._error: BaseException | None = None
@@ -136,14 +137,27 @@ class CheckpointManager:
         """Rank 0: the checkpoint to resume from, per checkpoint.resume."""
         mode = self.cfg.resume
         if mode == "never":
+            existing = io.list_checkpoints(self.root)
+            if existing:
+                raise io.CheckpointMismatch(
+                    f"checkpoint.resume=never, but {self.root} already holds checkpoints "
+                    f"({', '.join(p.name for _, p in existing)}); nothing was deleted. Use a new out_dir for a "
+                    f"fresh run, or checkpoint.resume=auto to continue this one")
             return None
         if mode != "auto":
             path = Path(mode)
-            if not (path / io.MANIFEST).exists() and path.is_dir() and (path / "checkpoints").is_dir():
-                raise io.CheckpointError(f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, or use checkpoint.resume=auto with out_dir={mode}")
+            if not (path / io.MANIFEST).exists() and path.is_dir() and (path / runfolder.CHECKPOINTS).is_dir():
+                raise io.CheckpointMismatch(f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, or use checkpoint.resume=auto with out_dir={mode}")
             io.verify(path)  # an explicit path must verify or the run fails
             return path
         newest, listing = io.scan(self.root)
+        if newest is None and listing:
+            # Checkpoints exist and none verifies: a fresh start would train over them. Stop (I13).
+            faults = "\n".join(f"  {folder}: {error}" for _, folder, error in listing)
+            raise io.CheckpointError(
+                f"{self.root}: no checkpoint verifies, so this run cannot resume, and it will not start "
+                f"fresh over them (nothing was trained or deleted):\n{faults}\n"
+                f"Ways on: checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir")
         for step, _, error in listing:
             if error:  # newer than the one chosen: reported, never silently passed over
                 log.warning("skipping checkpoint step %d: %s", step, error)
@@ -165,16 +179,18 @@ class CheckpointManager:
                 path = self._choose()
                 choice = {"path": str(path) if path else None}
             except io.CheckpointError as e:
-                choice = {"error": str(e)}
+                choice = {"error": str(e), "mismatch": isinstance(e, io.CheckpointMismatch)}
         choice = self.rt.broadcast(choice)
         if "error" in choice:
-            raise io.CheckpointError(choice["error"])
+            raise (io.CheckpointMismatch if choice["mismatch"] else io.CheckpointError)(choice["error"])
         if choice["path"] is None:
             if self.rt.is_main:
                 truncate_metrics(self.metrics_path, 0)
             return None
 
         path = Path(choice["path"])
+        if self.rt.is_main and path.parent == self.root:
+            self.owned.add(path)  # verified just now
         error = None
         try:
             payload = io.safe_load(path / io.RESUME_FILE)
@@ -188,11 +204,13 @@ class CheckpointManager:
                     raise io.CheckpointError(f"{path / io.RESUME_FILE}: no '{name}' state in the resume file")
             self._restore_rng(payload)
         except io.CheckpointError as e:
-            error = str(e)
+            error = (type(e).__name__, str(e))
         # Every rank loaded; if any failed, all stop here together (no rank enters training alone).
         failed = [(r, e) for r, e in enumerate(self.rt.all_gather(error)) if e]
         if failed:
-            raise io.CheckpointError(error or f"rank {failed[0][0]} could not load {path}: {failed[0][1]}")
+            rank, (kind, message) = failed[0]
+            cls = io.CheckpointMismatch if kind == "CheckpointMismatch" else io.CheckpointError
+            raise cls(message if error else f"rank {rank} could not load {path}: {message}")
 
         train = payload["train"]
         self.meta["run_id"] = payload.get("run_id", self.meta.get("run_id"))
@@ -201,10 +219,7 @@ class CheckpointManager:
         resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"))
         log.info("loaded %s: step %d, epoch %d, %.2fs", path, train["step"], train["epoch"], time.monotonic() - t0)
         self._log_rescale(resumed, train)
-        steps_then = payload.get("config", {}).get("train", {}).get("steps")
-        if steps_then != self.meta["config"]["train"]["steps"]:
-            log.warning("train.steps was %s, now %s: the LR schedule from here on spans the new count",
-                        steps_then, self.meta["config"]["train"]["steps"])
+        self._warn_changed(payload.get("config", {}))
         if resumed.threads is not None and resumed.threads != self.meta.get("threads"):
             log.warning(
                 "the checkpoint was written with %s intra-op threads per process, this run uses %s: "
@@ -212,6 +227,20 @@ class CheckpointManager:
                 resumed.threads, self.meta.get("threads"),
             )
         return resumed
+
+    # A resume may change these; each change is said, with the old and new values.
+    _CHANGES = {
+        "steps": "the LR schedule from here on spans the new count",
+        "dtype": "autocast changes the arithmetic: not bit-identical to the uninterrupted run",
+        **{k: "the optimization from here on differs from the uninterrupted run"
+           for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
+    }
+
+    def _warn_changed(self, then: dict) -> None:
+        old, new = then.get("train", {}) if isinstance(then, dict) else {}, self.meta["config"]["train"]
+        for key, consequence in self._CHANGES.items():
+            if key in old and old[key] != new.get(key):
+                log.warning("train.%s was %s, now %s: %s", key, old[key], new.get(key), consequence)
 
     def _log_rescale(self, r: Resumed, train: dict) -> None:
         w, micro, accum = self.meta["world_size"], self.meta["micro_batch"], self.meta["accum"]
@@ -243,7 +272,7 @@ class CheckpointManager:
             if fa.get(k) != fb.get(k):
                 diffs.append(f"data {k} is {fa.get(k)} in the checkpoint, {fb.get(k)} in this run")
         if diffs:
-            raise io.CheckpointError(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
+            raise io.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
 
     def _restore_rng(self, payload: dict) -> None:
         states = payload.get("rng") or []
@@ -295,7 +324,8 @@ class CheckpointManager:
         manifest = {**train, **{k: v for k, v in self._meta_for(train).items() if k != "data_fingerprint"},
                     "model_sha256": io.model_sha256(model_state), "created_unix": time.time()}
         final = io.publish(self.root, step, files, manifest)
-        pruned = io.prune(self.root, self.cfg.keep)
+        self.owned.add(final)
+        pruned = io.prune(self.root, self.cfg.keep, self.owned)
         log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
                  f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
 

@@ -90,12 +90,24 @@ class CheckpointConfig:
     async_: bool = field(default=False, metadata={"key": "async"})
     """Serialize, hash and publish in a background thread after a copy to CPU memory."""
     resume: str = "auto"
-    """auto (newest valid checkpoint in out_dir) | never | a checkpoint folder."""
+    """auto (newest valid checkpoint in out_dir; none there: a fresh start) | never (a fresh start;
+    an error if out_dir holds checkpoints) | a checkpoint folder."""
+    lock_timeout_s: float = 120.0
+    """How long a launch waits for another run holding out_dir (e.g. one finishing its final save)
+    before it refuses (exit 2)."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint.interval", self.interval, zero_ok=True)
+        _positive("checkpoint.lock_timeout_s", self.lock_timeout_s, zero_ok=True)
         if self.keep < 2:
             raise ConfigError(f"checkpoint.keep: expected at least 2, got {self.keep}")
+        if self.resume not in ("auto", "never"):
+            # Checked here, before data preparation and before anything is written to out_dir.
+            path = Path(self.resume)
+            if not path.exists():
+                raise ConfigError(f"checkpoint.resume: {path} does not exist (expected auto, never, or a checkpoint folder)")
+            if not path.is_dir():
+                raise ConfigError(f"checkpoint.resume: {path} is a file (expected auto, never, or a checkpoint folder such as OUT/checkpoints/step_00000060)")
 
 
 @dataclass
@@ -168,6 +180,13 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     log: LogConfig = field(default_factory=LogConfig)
     lab: LabConfig = field(default_factory=LabConfig)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint.lock_timeout_s >= self.dist.timeout_s:
+            raise ConfigError(f"checkpoint.lock_timeout_s={self.checkpoint.lock_timeout_s:g} must be below dist.timeout_s="
+                              f"{self.dist.timeout_s} (the other ranks wait in a collective while rank 0 waits for the lock)")
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
 
 
 def _key(f: dataclasses.Field) -> str:

@@ -15,7 +15,10 @@ class PackedDataset(Dataset):
         self.bin_path, self.row = Path(bin_path), seq_len + 1
         available = self.bin_path.stat().st_size // (2 * self.row)
         if num_samples > available:
-            raise ValueError(f"data.num_samples={num_samples} but {self.bin_path} holds only {available} samples")
+            from .prepare import DataError
+
+            raise DataError(f"data.num_samples={num_samples}, but the corpus packs into only {available} samples of "
+                            f"{seq_len + 1} tokens ({self.bin_path}); use at most {available}, or 0 for all")
         self.n = num_samples or available
         self._data: np.ndarray | None = None
 

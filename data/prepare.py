@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import logging
 import os
+import socket
 import sysconfig
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from . import tokenizer
 BUILTIN = "stdlib"
 """`data.path` value that selects the built-in corpus: the standard library's docstrings."""
 FORMAT = 1
+log = logging.getLogger("minimind")
 _STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "ensurepip", "turtledemo"}
 
 
@@ -37,7 +40,29 @@ def _fsync_replace(tmp: Path, final: Path) -> None:
 
 
 def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_temporaries(path: Path) -> list[Path]:
+    """Remove temp files of `path` left by a preparation killed on this host (its pid is gone).
+    Another host's, or a live process's, are left alone: they may still be writing."""
+    removed, prefix = [], f".{path.name}.tmp-{socket.gethostname()}-"
+    for p in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = p.name[len(prefix):] if p.name.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -101,6 +126,11 @@ def _iter_documents(path: Path):
                 raise DataError(f"{path}:{lineno}: line is not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise DataError(f'{path}:{lineno}: expected an object with a string "text" field, got {raw[:80]!r}')
+            try:
+                obj["text"].encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON allows "\ud800"; UTF-8 does not
+                raise DataError(f"{path}:{lineno}: the text holds a lone surrogate {obj['text'][e.start]!r} at character "
+                                f"{e.start}, which is not valid Unicode text") from None
             yield obj["text"]
 
 
@@ -127,6 +157,8 @@ def pack(source: Path, seq_len: int, cache_dir: Path) -> tuple[Path, dict]:
         ):
             return bin_path, meta
 
+    for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path):
+        log.info("removed %s, left by an interrupted preparation", p)
     t0 = time.time()
     tmp = _tmp_name(bin_path)
     n_docs = n_tokens = 0

@@ -15,3 +15,23 @@ if [ "$(cat .venv/.requirements.sha256 2>/dev/null || true)" != "$want" ]; then
   echo "$want" > .venv/.requirements.sha256
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
+
+# launch_and_report NPROC CONFIG [key=value ...]: torchrun train.py, then exit with the run's own
+# outcome read from OUT/status.json (torchrun's status on a signal is its own: 1, or death by signal).
+launch_and_report() {
+  local nproc="$1" config="$2"; shift 2
+  local out rc=0 pid forwarded=0
+  out="$(python -m configs --config "$config" "$@" --get out_dir)" || exit $?
+  export MINIMIND_LAUNCH_ID="${MINIMIND_LAUNCH_ID:-$(python -c 'import uuid; print(uuid.uuid4().hex)')}"
+  # Bash runs a trap only between foreground commands: torchrun runs in the background, and we wait.
+  torchrun --standalone --nproc_per_node="$nproc" train.py --config "$config" "$@" &
+  pid=$!
+  forward() { if [ "$forwarded" = 0 ]; then forwarded=1; kill -TERM "$pid" 2>/dev/null || true; fi; }
+  trap forward TERM INT
+  while :; do
+    rc=0; wait "$pid" || rc=$?
+    kill -0 "$pid" 2>/dev/null || break  # still running: the wait was cut short by a trapped signal
+  done
+  trap - TERM INT
+  python -m checkpoint status "$out" --exit-code --launch-id "$MINIMIND_LAUNCH_ID" --fallback "$rc" >/dev/null
+}

@@ -46,9 +46,9 @@ kill_tree() { local pids; pids="$2 $(descendants "$2")"; kill -"$1" $pids 2>/dev
 cleanup() { [ -n "$PGID" ] && kill_tree KILL "$PGID"; }
 trap cleanup EXIT
 
-launch() {  # launch OUT_DIR LOG [ENV=VALUE ...]: torchrun in a new session (its own process group)
-  local out="$1" log="$2"; shift 2
-  env "$@" setsid torchrun --standalone --nproc_per_node="$NPROC" train.py "${ARGS[@]}" "out_dir=$out" >>"$log" 2>&1 &
+launch() {  # launch OUT_DIR LOG [SCRIPT]: torchrun in a new session (its own process group)
+  local out="$1" log="$2" script="${3:-train.py}"
+  setsid torchrun --standalone --nproc_per_node="$NPROC" "$script" "${ARGS[@]}" "out_dir=$out" >>"$log" 2>&1 &
   PGID=$!
 }
 steps_logged() { [ -f "$1/metrics.jsonl" ] && wc -l <"$1/metrics.jsonl" || echo 0; }
@@ -62,10 +62,11 @@ echo "[preempt] interrupted: $KILLS x SIG$SIG at random moments (seed $SEED) -> 
 landed=0 launches=0
 while :; do
   launches=$((launches + 1))
-  extra=()
-  [ "$DURING_SAVE" = 1 ] && [ "$landed" -lt "$KILLS" ] && extra=(CKPT_TEST_WRITE_DELAY_S=1)
+  script=train.py
+  # a slow disk (each checkpoint file takes SLOW_SAVE_S longer) opens a window to kill inside a save
+  [ "$DURING_SAVE" = 1 ] && [ "$landed" -lt "$KILLS" ] && script=scripts/slow_save_train.py
   before=$(steps_logged "$RUN")
-  launch "$RUN" "$OUT/interrupted.log" "${extra[@]}"
+  SLOW_SAVE_S=1 launch "$RUN" "$OUT/interrupted.log" "$script"
   if [ "$landed" -lt "$KILLS" ]; then
     # Wait for this segment to train (or end), then pick the moment.
     while kill -0 "$PGID" 2>/dev/null && [ "$(steps_logged "$RUN")" -le "$before" ]; do sleep 0.05; done

@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TIMEOUT = 300  # no launch may hang a test run
+SLOW_SAVE = "scripts/slow_save_train.py"  # train.py on a slow disk (every checkpoint file takes SLOW_SAVE_S longer)
 
 
 def command(nproc: int, *overrides: str, script: str = "train.py") -> list[str]:

@@ -29,7 +29,7 @@ def test_an_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path, tiny, 
 def test_a_stop_drains_the_pending_async_save_before_its_own_and_resumes_exactly(tmp_path, epochs, reference):
     out = tmp_path / "run"
     args = [*epochs, "checkpoint.async=true", "checkpoint.interval=2", f"out_dir={out}"]
-    proc = launch.start(launch.command(0, *args), tmp_path / "log", env={"CKPT_TEST_WRITE_DELAY_S": "0.5"})
+    proc = launch.start(launch.command(0, *args, script=launch.SLOW_SAVE), tmp_path / "log", env={"SLOW_SAVE_S": "0.5"})
     launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 3, proc=proc)
     launch.kill_tree(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 75

@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import random
@@ -52,14 +53,81 @@ def test_a_temporary_folder_left_by_a_killed_save_is_never_listed_and_is_cleared
 
 
 def test_keep_last_k_prunes_the_oldest_first_and_only_after_publishing(tmp_path):
-    for step in (10, 20, 30):
-        publish_step(tmp_path, step)
-    assert io.prune(tmp_path, 3) == []
-    publish_step(tmp_path, 40)
+    owned = {publish_step(tmp_path, step) for step in (10, 20, 30)}
+    assert io.prune(tmp_path, 3, owned) == []
+    owned.add(publish_step(tmp_path, 40))
     assert [s for s, _ in io.list_checkpoints(tmp_path)] == [40, 30, 20, 10]  # published before pruning
-    removed = io.prune(tmp_path, 2)
+    removed = io.prune(tmp_path, 2, owned)
     assert [p.name for p in removed] == ["step_00000010", "step_00000020"]
     assert [s for s, _ in io.list_checkpoints(tmp_path)] == [40, 30]
+    assert owned == {tmp_path / "step_00000040", tmp_path / "step_00000030"}
+
+
+def test_pruning_never_counts_or_deletes_a_checkpoint_that_does_not_verify_nor_follows_a_link(tmp_path):
+    root, outside = tmp_path / "checkpoints", tmp_path / "outside"
+    damaged = publish_step(root, 50)
+    (damaged / io.RESUME_FILE).write_bytes(b"damaged")
+    publish_step(outside, 60)
+    (root / "step_00000060").symlink_to(outside / "step_00000060", target_is_directory=True)
+    owned = {publish_step(root, step) for step in (10, 20, 30)}
+    removed = io.prune(root, 2, owned)
+    # step 50 is newest but does not verify: not one of the 2 kept, not deleted; the link is not a checkpoint
+    assert [p.name for p in removed] == ["step_00000010"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000020", "step_00000030", "step_00000050", "step_00000060"]
+    io.verify(outside / "step_00000060")
+
+
+def test_pruning_verifies_a_checkpoint_it_did_not_write_before_deleting_it(tmp_path):
+    old = publish_step(tmp_path, 10)  # an earlier launch's: not in `owned` until it verifies
+    owned = {publish_step(tmp_path, step) for step in (20, 30)}
+    assert io.prune(tmp_path, 2, owned) == [old]
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "sub/resume.pth", "notes.txt"])
+def test_a_manifest_naming_anything_but_the_trainers_own_files_is_refused_before_any_file_is_opened(tmp_path, name):
+    folder = publish_step(tmp_path, 10)
+    canary = tmp_path / "canary"
+    os.mkfifo(canary)  # opening a FIFO for reading blocks: a refused name must never be opened
+    manifest = json.loads((folder / io.MANIFEST).read_text())
+    manifest["files"][name.replace("/etc/hostname", str(canary)) if name.startswith("/") else name] = {"bytes": 0, "sha256": "0" * 64}
+    (folder / io.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(io.CheckpointError, match="which is not a file this trainer writes"):
+        io.verify(folder)
+
+
+def test_a_step_folder_whose_name_differs_from_its_manifests_step_does_not_verify(tmp_path):
+    publish_step(tmp_path, 10).rename(tmp_path / "step_00000099")
+    with pytest.raises(io.CheckpointError, match="says step 10, but the folder is step_00000099"):
+        io.verify(tmp_path / "step_00000099")
+
+
+def test_a_full_disk_is_reported_as_such_with_the_path_even_through_torchs_zip_writer(tmp_path, monkeypatch):
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(io, "open", lambda path, mode: FullDisk(real_open(path, mode)), raising=False)
+    with pytest.raises(io.CheckpointError, match=r"No space left on device: '.*resume.pth'") as e:
+        io.publish(tmp_path, 10, {io.RESUME_FILE: {"w": torch.zeros(100_000)}}, {})
+    assert "unexpected pos" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_saving_a_step_that_exists_replaces_it_whole(tmp_path):

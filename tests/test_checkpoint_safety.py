@@ -106,7 +106,7 @@ def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_th
     launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
     before = (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes()
     code, err = launch.in_process(capsys, *short, change, f"out_dir={tmp_path}")
-    assert code == 1 and "cannot resume this run from it" in err and expected in err
+    assert code == 2 and "cannot resume this run from it" in err and expected in err
     assert (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes() == before
     assert [s for s, _ in io.list_checkpoints(tmp_path / "checkpoints")] == [4]
 
@@ -116,7 +116,7 @@ def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, shor
     edited = tmp_path / "edited.jsonl"
     edited.write_text(corpus.read_text().replace("model", "modal"))
     code, err = launch.in_process(capsys, *short, f"data.path={edited}", f"out_dir={tmp_path}")
-    assert code == 1 and "data source_sha256 is" in err
+    assert code == 2 and "data source_sha256 is" in err
 
 
 @pytest.mark.parametrize("async_save", ["false", "true"])

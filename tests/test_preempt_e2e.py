@@ -47,8 +47,8 @@ def test_sigkill_at_a_random_step_resumes_from_the_last_interval_checkpoint_bit_
 def test_a_kill_while_a_checkpoint_is_being_written_leaves_the_previous_one_intact(tmp_path, epochs, reference):
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
-    proc = launch.start(launch.command(0, *epochs, "checkpoint.interval=4", f"out_dir={out}"), tmp_path / "log",
-                        env={"CKPT_TEST_WRITE_DELAY_S": "1"})  # a slow disk: each file takes a second more
+    proc = launch.start(launch.command(0, *epochs, "checkpoint.interval=4", f"out_dir={out}", script=launch.SLOW_SAVE),
+                        tmp_path / "log", env={"SLOW_SAVE_S": "1"})  # a slow disk: each file takes a second more
     launch.wait_for(lambda: (ckpts / "step_00000004").exists() and any(ckpts.glob(".tmp-step_00000008-*")), proc=proc)
     launch.kill_tree(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

@@ -1,0 +1,164 @@
+"""The run folder: its layout, the lock that makes it one run's, and the status a scheduler reads.
+
+    OUT/.lock            held (an OS lock) by global rank 0 for the run's life; says who holds it
+    OUT/status.json      the run's state, replaced atomically: running, stopped, finished, halted, failed
+    OUT/config.yaml      the resolved config
+    OUT/metrics.jsonl    one line per optimizer step
+    OUT/checkpoints/     step_XXXXXXXX/ folders (see io.py)
+
+The lock is `fcntl.lockf` (a POSIX record lock): the kernel drops it when the holder dies, however
+it dies, so a SIGKILLed run never leaves a stale lock, and forked children (DataLoader workers) do
+not inherit it. README, "The run folder", says what holds on NFS and Lustre.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("minimind")
+
+LOCK = ".lock"
+STATUS = "status.json"
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+LAUNCH_ENV = "MINIMIND_LAUNCH_ID"
+"""Set by the launch scripts: the status records it, so a script knows the status is its launch's."""
+
+EXIT_CODES = {"finished": 0, "halted": 0, "stopped": 75}
+"""A run's exit code by its state; "failed" records its own (1: I/O, a damaged checkpoint, a bug;
+2: bad input or config). 75 (EX_TEMPFAIL, stop.EXIT_STOPPED) means: stopped on a signal with a
+published checkpoint, resume me."""
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used (held by another run, not a folder); the message says why."""
+
+
+def describe_holder(info: dict) -> str:
+    if not info:
+        return "another process (it has not written its name yet)"
+    since = time.strftime("%H:%M:%S", time.localtime(info.get("since", 0)))
+    return f"pid {info.get('pid')} on host {info.get('host')} since {since}"
+
+
+def read_holder(out_dir: Path) -> dict:
+    """What the lock file says about its holder ({} when empty or unreadable)."""
+    try:
+        info = json.loads((Path(out_dir) / LOCK).read_text() or "{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class RunLock:
+    """An exclusive lock on a run folder, held until `release()` or the process's death."""
+
+    out_dir: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+
+
+def _open_lock_file(out_dir: Path) -> int:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunFolderError(f"out_dir={out_dir} is a regular file, not a folder (expected a run folder or a new path)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK
+    if path.is_symlink():
+        raise RunFolderError(f"{path} is a symbolic link; refusing to follow it")
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
+    """Take the run folder's lock, waiting up to `timeout_s` for its holder to leave.
+
+    Raises RunFolderError naming the holder when it is still held after the wait."""
+    out_dir = Path(out_dir)
+    fd = _open_lock_file(out_dir)
+    end, announced = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise RunFolderError(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see README, 'The run folder'") from None
+        holder = describe_holder(read_holder(out_dir))
+        if time.monotonic() >= end:
+            os.close(fd)
+            raise RunFolderError(
+                f"out_dir={out_dir} is held by {holder}: another run is using this folder "
+                f"(waited {timeout_s:g} s, checkpoint.lock_timeout_s); stop it or use another out_dir")
+        if holder != announced:
+            log.warning("out_dir %s is held by %s; waiting up to %g s for it to finish", out_dir, holder, timeout_s)
+            announced = holder
+        time.sleep(poll_s)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    return RunLock(out_dir, fd)
+
+
+def write_status(out_dir: Path, state: str, step: int | None = None, exit_code: int | None = None, cause: str | None = None) -> dict:
+    """Replace OUT/status.json atomically (the lock holder only)."""
+    record = {"state": state, "step": step, "exit_code": exit_code, "cause": cause,
+              "launch_id": os.environ.get(LAUNCH_ENV), "pid": os.getpid(), "host": socket.gethostname(),
+              "updated_unix": round(time.time(), 3)}
+    path = Path(out_dir) / STATUS
+    tmp = path.with_name(f".{STATUS}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return record
+
+
+def read_status(out_dir: Path) -> dict | None:
+    try:
+        record = json.loads((Path(out_dir) / STATUS).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise RunFolderError(f"{Path(out_dir) / STATUS}: cannot be read ({e})") from None
+    if not isinstance(record, dict) or "state" not in record:
+        raise RunFolderError(f"{Path(out_dir) / STATUS}: not a status record")
+    return record
+
+
+def wait_until_free(out_dir: Path, timeout_s: float) -> bool:
+    """True once nobody holds the run folder's lock (taken and released at once); False on timeout.
+    A launcher uses it so that workers that outlived their torchrun finish their save first."""
+    path = Path(out_dir) / LOCK
+    if not path.is_file():
+        return True
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    end = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+                return True
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= end:
+                    return False
+                time.sleep(0.1)
+    finally:
+        os.close(fd)

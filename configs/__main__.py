@@ -1,0 +1,38 @@
+"""`python -m configs [--config FILE] [key=value ...] [--get KEY]`: the resolved config, as train.py
+would run it (YAML), or one key's value. Exit 2 with the key named when the config is invalid.
+The launch scripts use `--get out_dir` to find the run folder whose status they report."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from . import ConfigError, load_config, to_dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m configs", description=__doc__)
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--get", metavar="KEY", help="print one dotted key, e.g. out_dir or train.steps")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        tree = to_dict(load_config(args.config, args.overrides))
+        if args.get:
+            node = tree
+            for part in args.get.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    raise ConfigError(f"--get {args.get}: no such key")
+                node = node[part]
+            print(node)
+        else:
+            print(yaml.safe_dump(tree, sort_keys=False), end="")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

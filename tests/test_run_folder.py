@@ -1,0 +1,221 @@
+"""One run per folder, and nothing lost: the lock, no silent fresh start, pruning that deletes only
+what it owns, a manifest confined to its folder, and the exit code a scheduler sees. Real launches
+(plain python and torchrun, and the README's scripts/train.sh); resumed runs are compared with the
+uninterrupted reference bit for bit."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+import launch
+from checkpoint import io, runfolder
+
+
+def assert_identical(out, ref):
+    assert launch.losses(out) == launch.losses(ref)
+    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
+
+
+def snapshot(folder):
+    """Every file under folder with its bytes (the lock and the status aside): what "nothing was
+    deleted or changed" compares."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name not in (runfolder.LOCK, runfolder.STATUS)}
+
+
+@pytest.fixture(scope="module")
+def halted(tmp_path_factory, epochs):
+    """A plain-python run halted at step 8 with a checkpoint every 4 steps: copied by each test."""
+    out = tmp_path_factory.mktemp("halted")
+    launch.run(0, *epochs, "checkpoint.interval=4", "train.halt_at=8", f"out_dir={out}")
+    return out
+
+
+def copy_of(halted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(halted, out, ignore=shutil.ignore_patterns(runfolder.LOCK))
+    return out
+
+
+def test_a_second_launch_on_a_held_folder_waits_then_refuses_naming_the_holder_and_the_first_finishes_exactly(tmp_path, epochs, reference):
+    out = tmp_path / "run"
+    first = launch.start(launch.command(0, *epochs, "checkpoint.interval=2", f"out_dir={out}", script=launch.SLOW_SAVE),
+                         tmp_path / "first.log", env={"SLOW_SAVE_S": "0.3"})  # ~1 s per saved step: a long first run
+    launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 1, proc=first)
+    second = launch.run(0, *epochs, "checkpoint.lock_timeout_s=1", f"out_dir={out}", expect=2)
+    assert f"is held by pid {first.pid} on host" in second.stderr and "waiting up to 1 s" in second.stderr
+    assert "another run is using this folder" in second.stderr and "Traceback" not in second.stderr
+    assert first.wait(timeout=120) == 0
+    assert [m["step"] for m in launch.metrics(out)] == list(range(1, 21))
+    assert_identical(out, reference(0))
+    assert runfolder.read_status(out)["state"] == "finished"
+
+
+def test_a_relaunch_while_the_first_run_is_inside_a_slowed_save_waits_for_it_and_resumes_exactly(tmp_path, epochs, reference):
+    out = tmp_path / "run"
+    first = launch.start(launch.command(2, *epochs, "checkpoint.interval=4", f"out_dir={out}", script=launch.SLOW_SAVE),
+                         tmp_path / "first.log", env={"SLOW_SAVE_S": "1"})
+    launch.wait_for(lambda: any((out / "checkpoints").glob(".tmp-step_*")), proc=first)
+    launch.kill_tree(first.pid, signal.SIGTERM)  # preempted inside a save; the scheduler relaunches at once
+    second = launch.run(2, *epochs, f"out_dir={out}")
+    first.wait(timeout=60)
+    assert "is held by pid" in second.stderr and "left by an interrupted save" not in second.stderr  # it waited
+    assert "stopped on SIGTERM" in (tmp_path / "first.log").read_text()  # the first saved and left on its own
+    assert_identical(out, reference(2))
+
+
+def test_when_every_checkpoint_is_damaged_the_run_stops_with_each_fault_and_trains_and_deletes_nothing(tmp_path, epochs, halted):
+    out = copy_of(halted, tmp_path)
+    for step in (4, 8):
+        target = out / "checkpoints" / f"step_{step:08d}" / io.RESUME_FILE
+        target.write_bytes(target.read_bytes()[:100])
+    before = snapshot(out)
+    proc = launch.run(0, *epochs, "checkpoint.interval=4", f"out_dir={out}", expect=1)
+    assert "no checkpoint verifies" in proc.stderr and "will not start fresh" in proc.stderr
+    assert "step_00000008/resume.pth: 100 bytes" in proc.stderr and "step_00000004/resume.pth: 100 bytes" in proc.stderr
+    assert "checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert snapshot(out) == before  # no metrics line, no checkpoint, no config written or removed
+    status = runfolder.read_status(out)
+    assert status["state"] == "failed" and status["exit_code"] == 1 and "no checkpoint verifies" in status["cause"]
+
+
+def test_resume_never_in_a_folder_that_holds_checkpoints_is_an_error_that_deletes_nothing(tmp_path, epochs, halted):
+    out = copy_of(halted, tmp_path)
+    before = snapshot(out)
+    proc = launch.run(0, *epochs, "checkpoint.resume=never", f"out_dir={out}", expect=2)
+    assert "checkpoint.resume=never, but" in proc.stderr and "step_00000008, step_00000004" in proc.stderr
+    assert "nothing was deleted" in proc.stderr and "Traceback" not in proc.stderr
+    assert snapshot(out) == before
+
+
+def test_a_symlinked_step_folder_is_skipped_and_nothing_outside_is_opened_or_deleted(tmp_path, epochs, halted, reference):
+    out, outside = copy_of(halted, tmp_path), tmp_path / "outside"
+    shutil.copytree(out / "checkpoints" / "step_00000008", outside / "step_00000040")  # valid, and newest by name
+    manifest = json.loads((outside / "step_00000040" / io.MANIFEST).read_text())
+    (outside / "step_00000040" / io.MANIFEST).write_text(json.dumps({**manifest, "step": 40}))
+    io.verify(outside / "step_00000040")
+    link = out / "checkpoints" / "step_00000040"
+    link.symlink_to(outside / "step_00000040", target_is_directory=True)
+    before = snapshot(outside)
+    proc = launch.run(0, *epochs, "checkpoint.interval=4", "checkpoint.keep=2", f"out_dir={out}")
+    assert "step_00000040: a symbolic link" in proc.stderr and "step 8 resumes at sample" in proc.stderr
+    assert snapshot(outside) == before and link.is_symlink()  # pruning (keep=2) went past it
+    assert [s for s, _ in io.list_checkpoints(out / "checkpoints")] == [20, 16]
+    assert_identical(out, reference(0))
+
+
+@pytest.mark.parametrize("target", ["the whole tree", "torchrun alone"])
+def test_sigterm_makes_scripts_train_sh_exit_75_and_running_it_again_ends_bit_identical(tmp_path, epochs, reference, target):
+    out = tmp_path / "run"
+    cmd = ["bash", "scripts/train.sh", *epochs, "train.steps=20", f"out_dir={out}"]
+    proc = launch.start(cmd, tmp_path / "log")
+    launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 2, proc=proc)
+    if target == "the whole tree":
+        launch.kill_tree(proc.pid, signal.SIGTERM)
+    else:
+        agent = next(p for p in launch.children(proc.pid) if b"torch" in open(f"/proc/{p}/cmdline", "rb").read())
+        os.kill(agent, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
+    status = runfolder.read_status(out)
+    assert status["state"] == "stopped" and status["exit_code"] == 75 and status["step"] == launch.lines(out / "metrics.jsonl")
+    code = subprocess.run(["bash", "scripts/train.sh", *epochs, f"out_dir={out}"], cwd=launch.ROOT, capture_output=True,
+                          timeout=300).returncode
+    assert code == 0
+    assert_identical(out, reference(2))
+    status = subprocess.run([launch.PY, "-m", "checkpoint", "status", str(out)], cwd=launch.ROOT, capture_output=True, text=True)
+    assert json.loads(status.stdout)["state"] == "finished" and json.loads(status.stdout)["held_by"] is None
+
+
+# ---------------------------------------------------------------- clear errors, no traceback, nothing written
+@pytest.mark.parametrize("setting, expected", [
+    ("checkpoint.resume={missing}", "checkpoint.resume: {missing} does not exist"),
+    ("checkpoint.resume={file}", "checkpoint.resume: {file} is a file"),
+    ("out_dir={file}", "out_dir: {file} is a regular file"),
+])
+def test_a_resume_path_that_is_missing_or_a_file_and_an_out_dir_that_is_a_file_are_config_errors_before_anything_is_written(
+        tmp_path, tiny, capsys, setting, expected):
+    names = {"missing": tmp_path / "no-such-checkpoint", "file": tmp_path / "a-file"}
+    names["file"].write_text("x")
+    out = tmp_path / "run"
+    args = [*tiny, f"out_dir={out}", setting.format(**names)]
+    code, err = launch.in_process(capsys, *args)
+    assert code == 2 and expected.format(**names) in err and "Traceback" not in err
+    assert not out.exists() and "data:" not in err  # refused before data preparation and before out_dir
+
+
+def test_more_samples_than_the_corpus_holds_is_an_error_naming_the_key_and_the_count(tmp_path, tiny, capsys):
+    code, err = launch.in_process(capsys, *tiny, "data.num_samples=99999", f"out_dir={tmp_path}")
+    assert code == 2 and "data.num_samples=99999, but the corpus packs into only" in err
+
+
+def test_a_text_line_with_a_lone_surrogate_is_an_error_naming_the_file_and_line(tmp_path, tiny, capsys):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n')
+    code, err = launch.in_process(capsys, *tiny, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    assert code == 2 and f"{corpus}:2: the text holds a lone surrogate" in err
+    assert not list((tmp_path / "cache").glob("*.bin")) and not list((tmp_path / "cache").glob(".*tmp*"))
+
+
+def test_a_packing_temp_file_left_by_a_killed_preparation_is_removed_at_the_next_start(tmp_path, corpus, capsys, tiny):
+    from data.prepare import pack
+
+    cache = tmp_path / "cache"
+    bin_path, _ = pack(corpus, 32, cache)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is gone, as a killed preparation's is
+    leftover = bin_path.with_name(f".{bin_path.name}.tmp-{os.uname().nodename}-{dead.pid}")
+    leftover.write_bytes(b"half a packed file")
+    bin_path.unlink()  # so that the next start packs again
+    pack(corpus, 32, cache)
+    assert not leftover.exists() and bin_path.exists()
+
+
+def test_a_resume_under_a_changed_optimizer_setting_warns_with_the_old_and_new_values(tmp_path, tiny, capsys):
+    assert launch.in_process(capsys, *tiny, "train.halt_at=2", f"out_dir={tmp_path}")[0] == 0
+    code, err = launch.in_process(capsys, *tiny, "train.halt_at=3", "train.lr=1e-3", "train.beta2=0.99", f"out_dir={tmp_path}")
+    assert code == 0
+    assert "train.lr was 0.003, now 0.001" in err and "train.beta2 was 0.95, now 0.99" in err
+    assert "train.grad_clip was" not in err
+
+
+def test_the_refusal_of_pickled_code_does_not_suggest_weights_only_false(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    import torch
+
+    torch.save({"x": Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(io.CheckpointError) as e:
+        io.safe_load(tmp_path / "evil.pth")
+    assert "refused without running them" in str(e.value) and "weights_only" not in str(e.value)
+
+
+def run_cli(*args):
+    return subprocess.run([launch.PY, "-m", "checkpoint", *map(str, args)], cwd=launch.ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path, halted):
+    out = copy_of(halted, tmp_path)
+    folder = out / "checkpoints" / "step_00000008"
+    manifest = json.loads((folder / io.MANIFEST).read_text())
+    manifest["files"][io.RESUME_FILE] = "not an entry"
+    (folder / io.MANIFEST).write_text(json.dumps(manifest))
+    for verb in ("inspect", "generate"):
+        proc = run_cli(verb, folder)
+        assert proc.returncode == 2 and "the entry for resume.pth is not" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compare_tells_an_unreadable_metrics_file_from_runs_that_differ(tmp_path, halted):
+    a, b = copy_of(halted, tmp_path / "a"), copy_of(halted, tmp_path / "b")
+    assert run_cli("compare", a, b).returncode == 0
+    lines = (b / "metrics.jsonl").read_text().splitlines()
+    (b / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps({**json.loads(lines[-1]), "loss": 9.0})]) + "\n")
+    assert run_cli("compare", a, b).returncode == 1
+    (b / "metrics.jsonl").write_text("{not json\n")
+    proc = run_cli("compare", a, b)
+    assert proc.returncode == 2 and "metrics.jsonl:1: not a metrics line" in proc.stderr and "Traceback" not in proc.stderr
