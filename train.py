@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,9 +25,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import runtime
-from checkpoint import EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, StopFlag, TrainState, model_sha256, new_run_id
-from checkpoint import leave_out, runfolder
-from checkpoint.rng import derive_seed, seed_all
+from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, Resumed, RunMeta, StopFlag,
+                        model_sha256, new_run_id, runfolder)
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
 from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
@@ -76,14 +75,36 @@ def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, dict]
     return dataset, fingerprint
 
 
-def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg: Config, rt) -> Iterator[tuple[int, int, list]]:
-    """(epoch, step_in_epoch, this rank's micro-batches) for every optimizer step from start_step on.
+@dataclass
+class TrainState:
+    """Where the run is (DESIGN.md I2): optimizer steps done (the LR is a function of it, I5), and the
+    data position: the epoch of the last step and the samples of that epoch consumed so far, which
+    is what a resume continues the data from. `metrics.jsonl` logs the same two after each step."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.samples_seen = int(state["step"]), int(state["epoch"]), int(state["samples_seen"])
+
+    def position(self, plan: BatchPlan, steps_per_epoch: int) -> tuple[int, int]:
+        """(epoch, step in that epoch) where the data continues: a finished epoch continues at the next."""
+        done = self.samples_seen // plan.global_batch
+        return (self.epoch + 1, 0) if done >= steps_per_epoch else (self.epoch, done)
+
+
+def step_batches(dataset, sampler: BlockDistributedSampler, epoch: int, first: int, cfg: Config, rt) -> Iterator[tuple[int, int, list]]:
+    """(epoch, step_in_epoch, this rank's micro-batches) for every optimizer step from step `first`
+    of `epoch` on.
 
     Each epoch gets a fresh loader over `sampler.set_epoch(epoch)` and a SkipBatchSampler that skips
     what this rank's stream already consumed: `step_in_epoch * accum` (DESIGN.md I4).
     """
     plan, spe = sampler.plan, sampler.plan.steps_per_epoch(len(dataset))
-    epoch, first = divmod(start_step, spe)
     while True:
         sampler.set_epoch(epoch)  # before the loader's iterator exists, so workers prefetch this epoch
         loader = DataLoader(
@@ -97,6 +118,19 @@ def step_batches(dataset, sampler: BlockDistributedSampler, start_step: int, cfg
         for s in range(first, spe):
             yield epoch, s, [next(it) for _ in range(plan.accum)]
         epoch, first = epoch + 1, 0
+
+
+# What a resume checks against the checkpoint (dotted paths into the resume file -> the name users know).
+MUST_MATCH = {"config.seed": "seed", "global_batch": "train.global_batch",
+              **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "tokenizer", "seq_len", "num_samples")}}
+_DIFFERS = "the optimization from here on differs from the uninterrupted run"
+MAY_CHANGE = {
+    "config.train.steps": ("train.steps", "the LR schedule from here on spans the new count"),
+    "config.train.dtype": ("train.dtype", "autocast changes the arithmetic: not bit-identical to the uninterrupted run"),
+    **{f"config.train.{k}": (f"train.{k}", _DIFFERS)
+       for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
+    "threads": ("intra-op threads per process", "floating-point results differ, so bit-equality with an uninterrupted run is not promised"),
+}
 
 
 @dataclass
@@ -124,12 +158,12 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
     spe = plan.steps_per_epoch(len(dataset))
     if spe == 0:
         raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
-    seed_all(cfg.seed)  # identical model init on every rank
+    runtime.seed_all(cfg.seed)  # identical model init on every rank
     model = MiniMindLM(cfg.model).to(rt.device)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
-    meta = {"world_size": rt.world_size, "global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
-            "accum": plan.accum, "threads": rt.threads, "reduce": cfg.dist.reduce, "config": to_dict(cfg),
-            "data_fingerprint": fingerprint, "run_id": rt.broadcast(new_run_id())}
+    meta = RunMeta(rt.world_size, plan.global_batch, plan.micro_batch, plan.accum, rt.threads, cfg.dist.reduce,
+                   to_dict(cfg), fingerprint, rt.broadcast(new_run_id()), MUST_MATCH | {
+                       f"config.model.{k}": f"model.{k}" for k in to_dict(cfg.model)}, MAY_CHANGE)
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
     entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)) if rt.is_main else float("nan")
     run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
@@ -167,7 +201,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (I6).
         with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
-            torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
+            torch.manual_seed(runtime.derive_seed(cfg.seed, epoch, s, i))
             with autocast:
                 _, loss = reducer.net(x, y)
             reducer.backward(loss, j, scaler.scale if scaler else None)
@@ -197,13 +231,13 @@ class Metrics:
         self.t0 = time.perf_counter()
         self.losses: list[float] = []
 
-    def step(self, step: int, epoch: int, s: int, loss: float, lr: float, seconds: float) -> None:
+    def step(self, state: TrainState, s: int, loss: float, lr: float, seconds: float) -> None:
         self.losses.append(loss)
         self.bar.update(1)
         if not self.file:
             return
-        g, seq = self.run.plan.global_batch, self.cfg.model.seq_len
-        rec = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": (s + 1) * g,
+        g, seq, step, epoch = self.run.plan.global_batch, self.cfg.model.seq_len, state.step, state.epoch
+        rec = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": state.samples_seen,
                # timing fields: the only ones that differ between an interrupted run and the one that was not
                "tokens_per_s": round(g * seq / seconds, 1), "step_s": round(seconds, 5),
                "elapsed_s": round(time.perf_counter() - self.t0, 4)}
@@ -223,13 +257,15 @@ class Metrics:
 def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     """The run, from build to the last save. Returns how it ended (finished, halted, stopped) and its step."""
     run = build(cfg, rt)
-    resumed = run.ckpt.load(leave_out.states_to_load(run.states, cfg.lab.leave_out))
+    resumed = run.ckpt.load(run.states)
     if rt.is_main:  # after the load: a run that cannot resume leaves the folder as it found it
         (Path(cfg.out_dir) / runfolder.CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    where = leave_out.apply(cfg.lab.leave_out, resumed, run.model, run.train_state, run.steps_per_epoch, rt.world_size)
+    epoch, first = run.train_state.position(run.plan, run.steps_per_epoch)
+    if resumed:
+        log_position(resumed, run, epoch, first)
     reducer = make_reducer(cfg, rt, run)
     sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed)
-    step = start = where.start
+    step = start = run.train_state.step
     metrics = Metrics(cfg, rt, run, sampler, start)
     halted = 0 < cfg.train.halt_at <= start
     if halted:
@@ -237,35 +273,42 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     todo = start < cfg.train.steps and not halted
     reason = None
     run.model.train()
-    for epoch, s, micro_batches in step_batches(run.dataset, sampler, where.data_start, cfg, rt) if todo else ():
+    for epoch, s, micro_batches in step_batches(run.dataset, sampler, epoch, first, cfg, rt) if todo else ():
         t0 = time.perf_counter()
-        lr = lr_at(step - where.lr_origin, cfg.train)
+        lr = lr_at(step, cfg.train)
         for group in run.opt.param_groups:
             group["lr"] = lr
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
         # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (I7).
-        run.train_state.step, (run.train_state.epoch, done) = step, divmod(step, run.steps_per_epoch)
-        run.train_state.samples_seen = done * run.plan.global_batch
-        metrics.step(step, epoch, s, loss, lr, time.perf_counter() - t0)
-        # One collective per step decides for every rank together (I9): a stop signal, a failed async save.
-        stop_votes, save_failures = rt.sum([float(stop.requested), float(run.ckpt.failed)])
-        if save_failures:
-            run.ckpt.raise_failure()
-        reason = ("stopped" if stop_votes else "halted" if step == cfg.train.halt_at
-                  else "finished" if step == cfg.train.steps else None)
-        if reason or run.ckpt.due(step):
-            run.ckpt.save(step, run.states, run.train_state)
+        run.train_state.step, run.train_state.epoch, run.train_state.samples_seen = step, epoch, (s + 1) * run.plan.global_batch
+        metrics.step(run.train_state, s, loss, lr, time.perf_counter() - t0)
+        end = "halted" if step == cfg.train.halt_at else "finished" if step == cfg.train.steps else None
+        reason = run.ckpt.after_step(step, run.states, stop.poll(), end)
         if reason:
             break
-    run.ckpt.close()  # drains a pending async save; raises on every rank if it failed
     metrics.close()
     report(cfg, rt, stop, reason, step, metrics.losses, run.unigram_entropy)
     return reason or ("halted" if halted else "finished"), step
 
 
+def log_position(resumed: Resumed, run: Run, epoch: int, first: int) -> None:
+    """Where the data continues, and the world-size rescale that gets it there (DESIGN.md I4)."""
+    t, plan = run.train_state, run.plan
+    where = (f"step {t.step} resumes at sample {first * plan.global_batch} of epoch {epoch}, "
+             f"skipping {first * plan.accum} micro-batches per rank")
+    if resumed.world_size != plan.world_size or resumed.micro_batch != plan.micro_batch:
+        log.info("world size %d → %d, micro batch %d → %d: %s", resumed.world_size, plan.world_size,
+                 resumed.micro_batch, plan.micro_batch, where)
+    else:
+        log.info("%s", where)
+    if epoch * run.steps_per_epoch + first != t.step:
+        log.warning("the saved data position (epoch %d, %d samples in) is not where step %d would be: the data "
+                    "continues from the saved position", t.epoch, t.samples_seen, t.step)
+
+
 def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float], entropy: float) -> None:
-    if reason == "stopped" and stop.requested:  # this rank was signalled: it knows when
+    if reason == "stopped" and stop.poll():  # this rank was signalled: it knows when
         (log.info if rt.is_main else log.warning)(
             "stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
             stop.signal, step, time.monotonic() - stop.received_at, EXIT_STOPPED)
@@ -296,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = lock = None
     clean = False  # every rank reached the end together
     try:
-        rt = runtime.setup(cfg.runtime, cfg.dist.backend, cfg.dist.reduce, cfg.dist.timeout_s)
+        rt = runtime.setup(cfg)
         runtime.setup_logging(rt)
         lock = take_run_folder(cfg, rt)
         state, step = train(cfg, rt, stop)
@@ -305,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             runfolder.write_status(lock.out_dir, state, step, code)
         clean = True
         return code
-    except (ConfigError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError) as e:
+    except (ConfigError, runtime.SetupError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError) as e:
         if rt is None:  # logging is not set up yet
             print(f"error: {e}", file=sys.stderr)
         else:

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import io, runfolder
+from . import runfolder, storage as io
 
 
 def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
@@ -58,31 +58,21 @@ def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
 
 def inspect_path(path: Path) -> dict:
     """A checkpoint folder, or a run folder: its newest valid checkpoint, with every checkpoint listed."""
-    if (path / io.MANIFEST).exists():
-        return inspect_checkpoint(path, io.verify(path))
-    root = io.checkpoints_root(path)
-    newest, listing = io.scan(root, verify_all=True)
-    if newest is None:
-        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
-    return {**inspect_checkpoint(newest, io.read_manifest(newest)), "checkpoints": [
+    folder, manifest, listing = io.find_checkpoint(path, verify_all=True)
+    if not listing:  # a checkpoint folder
+        return inspect_checkpoint(folder, manifest)
+    return {**inspect_checkpoint(folder, manifest), "checkpoints": [
         {"step": step, "path": str(folder), "valid": error is None, **({"error": error} if error else {})}
         for step, folder, error in listing]}
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
-    path = run / runfolder.METRICS
-    if not path.exists():
+    if not (run / runfolder.METRICS).exists():
         return []
-    out = []
     try:
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            m = json.loads(line)
-            out.append((int(m["step"]), float(m["loss"])))
-    except (OSError, UnicodeDecodeError) as e:
-        raise io.CheckpointError(f"{path}: cannot be read ({e})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise io.CheckpointError(f"{path}:{lineno}: not a metrics line with 'step' and 'loss' ({type(e).__name__}: {e})") from None
-    return out
+        return [(int(m["step"]), float(m["loss"])) for m in runfolder.read_metrics(run)]
+    except (KeyError, TypeError, ValueError) as e:
+        raise io.CheckpointError(f"{run / runfolder.METRICS}: a line without a numeric 'step' and 'loss' ({type(e).__name__}: {e})") from None
 
 
 def compare_runs(a: Path, b: Path) -> dict:
@@ -161,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "status":
             return status(args)
         if args.verb == "generate":
-            from .inference import generate, load_model
+            from inference import generate, load_model
 
             print(generate(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed))
             return 0

@@ -1,9 +1,12 @@
-"""The checkpoint manager: the loop's two calls, `load()` at start-up and `save(step)` after a step.
+"""The checkpoint manager: the loop's two calls, `load()` at start-up and `after_step()` after
+every optimizer step.
 
 It takes the run's stateful pieces as a dict (name -> object with `state_dict()` /
 `load_state_dict()`) and knows nothing of their insides, except that "model" also goes into the
-fp16 weights file for inference. Only global rank 0 writes; every rank takes part in the decisions
-(which checkpoint, did the save succeed) so that no rank is left waiting in a collective.
+fp16 weights file for inference and "train" holds the step. What the run is (its geometry, config
+and identity) comes as a `RunMeta`; the few collectives it needs come through `Collectives`. Only
+global rank 0 writes; every rank takes part in the decisions (which checkpoint, stop or not, did
+the save succeed) so that no rank is left waiting in a collective.
 """
 from __future__ import annotations
 
@@ -13,16 +16,14 @@ import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from configs import CheckpointConfig
-from runtime import Runtime
-
-from . import io, rng, runfolder
+from . import rng, runfolder, storage
+from .config import CheckpointConfig
 
 log = logging.getLogger("minimind")
 RESUME_FORMAT = "minimind-resume/1"
@@ -33,30 +34,67 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> Any: ...
 
 
+class Collectives(Protocol):
+    """The collectives the manager agrees through (runtime.Runtime is one; so is a one-process fake)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool: ...
+    def sum(self, values: list[float]) -> list[float]: ...
+    def any(self, flag: bool) -> bool: ...
+    def broadcast(self, obj: Any) -> Any: ...
+    def gather(self, obj: Any) -> list[Any] | None: ...
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+
 @dataclass
-class TrainState:
-    """Where the run is: optimizer steps done, and the epoch and samples consumed in it (DESIGN.md I2)."""
+class RunMeta:
+    """What a run is, written into every resume file (flat, as below) and manifest.
 
-    step: int = 0
-    epoch: int = 0
-    samples_seen: int = 0
+    `must_match` and `may_change` are dotted paths into a resume file (e.g. "config.model.dim",
+    "global_batch"), each with the label an error or warning uses: a resume whose checkpoint
+    differs in a `must_match` path is refused (CheckpointMismatch, naming each), one that differs
+    in a `may_change` path warns with the old and new values and the consequence given."""
 
-    def state_dict(self) -> dict:
-        return asdict(self)
+    world_size: int
+    global_batch: int
+    micro_batch: int
+    accum: int
+    threads: int
+    reduce: str
+    config: dict
+    data_fingerprint: dict
+    run_id: str
+    must_match: dict[str, str] = field(default_factory=dict)
+    may_change: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.epoch, self.samples_seen = int(state["step"]), int(state["epoch"]), int(state["samples_seen"])
+    RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "config", "data_fingerprint", "run_id")
+
+    def record(self) -> dict:
+        return {k: getattr(self, k) for k in self.RECORDED}
+
+
+def lookup(tree: Any, dotted: str) -> Any:
+    """`tree["a"]["b"]` for "a.b"; None where a part is missing."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree
 
 
 @dataclass
 class Resumed:
-    """What `load()` found: the checkpoint's folder and the geometry it was written under."""
+    """What `load()` found: the checkpoint's folder, its step, and the geometry it was written under."""
 
     path: Path
     step: int
     world_size: int
     micro_batch: int
-    threads: int | None
+    train: dict
 
 
 def _share_key(t: torch.Tensor) -> tuple:
@@ -117,18 +155,14 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 
 class CheckpointManager:
-    """`load(states)` once, `save(step, states)` at every optimizer-step boundary, `close()` at the end.
+    """`load(states)` once before the loop, `after_step(step, states, ...)` after every optimizer step."""
 
-    `meta` describes the run (world_size, global_batch, micro_batch, accum, threads, config,
-    data_fingerprint, run_id) and goes into every resume file and manifest.
-    """
-
-    def __init__(self, cfg: CheckpointConfig, out_dir: Path, rt: Runtime, meta: dict) -> None:
-        self.cfg, self.rt, self.meta = cfg, rt, dict(meta)
+    def __init__(self, cfg: CheckpointConfig, out_dir: Path, comm: Collectives, meta: RunMeta) -> None:
+        self.cfg, self.comm, self.meta = cfg, comm, meta
         self.root = Path(out_dir) / runfolder.CHECKPOINTS
         self.metrics_path = Path(out_dir) / runfolder.METRICS
         self.owned: set[Path] = set()  # checkpoints this run verified or published: the only ones pruning may delete
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if cfg.async_ and rt.is_main else None
+        self._pool: ThreadPoolExecutor | None = None  # made at the first async save
         self._pending: Future | None = None
         self._error: BaseException | None = None
 
@@ -137,24 +171,26 @@ class CheckpointManager:
         """Rank 0: the checkpoint to resume from, per checkpoint.resume."""
         mode = self.cfg.resume
         if mode == "never":
-            existing = io.list_checkpoints(self.root)
+            existing = storage.list_checkpoints(self.root)
             if existing:
-                raise io.CheckpointMismatch(
+                raise storage.CheckpointMismatch(
                     f"checkpoint.resume=never, but {self.root} already holds checkpoints "
                     f"({', '.join(p.name for _, p in existing)}); nothing was deleted. Use a new out_dir for a "
                     f"fresh run, or checkpoint.resume=auto to continue this one")
             return None
         if mode != "auto":
             path = Path(mode)
-            if not (path / io.MANIFEST).exists() and path.is_dir() and (path / runfolder.CHECKPOINTS).is_dir():
-                raise io.CheckpointMismatch(f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, or use checkpoint.resume=auto with out_dir={mode}")
-            io.verify(path)  # an explicit path must verify or the run fails
+            if not (path / storage.MANIFEST).exists() and path.is_dir() and (path / runfolder.CHECKPOINTS).is_dir():
+                raise storage.CheckpointMismatch(
+                    f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, "
+                    f"or use checkpoint.resume=auto with out_dir={mode}")
+            storage.verify(path)  # an explicit path must verify or the run fails
             return path
-        newest, listing = io.scan(self.root)
+        newest, listing = storage.scan(self.root)
         if newest is None and listing:
             # Checkpoints exist and none verifies: a fresh start would train over them. Stop (I13).
             faults = "\n".join(f"  {folder}: {error}" for _, folder, error in listing)
-            raise io.CheckpointError(
+            raise storage.CheckpointError(
                 f"{self.root}: no checkpoint verifies, so this run cannot resume, and it will not start "
                 f"fresh over them (nothing was trained or deleted):\n{faults}\n"
                 f"Ways on: checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir")
@@ -171,29 +207,29 @@ class CheckpointManager:
         is an error."""
         t0 = time.monotonic()
         choice: Any = None
-        if self.rt.is_main:
+        if self.comm.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for p in io.clear_temporaries(self.root):
+            for p in storage.clear_temporaries(self.root):
                 log.info("removed %s, left by an interrupted save", p)
             try:
                 path = self._choose()
                 choice = {"path": str(path) if path else None}
-            except io.CheckpointError as e:
-                choice = {"error": str(e), "mismatch": isinstance(e, io.CheckpointMismatch)}
-        choice = self.rt.broadcast(choice)
+            except storage.CheckpointError as e:
+                choice = {"error": str(e), "mismatch": isinstance(e, storage.CheckpointMismatch)}
+        choice = self.comm.broadcast(choice)
         if "error" in choice:
-            raise (io.CheckpointMismatch if choice["mismatch"] else io.CheckpointError)(choice["error"])
+            raise (storage.CheckpointMismatch if choice["mismatch"] else storage.CheckpointError)(choice["error"])
         if choice["path"] is None:
-            if self.rt.is_main:
+            if self.comm.is_main:
                 truncate_metrics(self.metrics_path, 0)
             return None
 
         path = Path(choice["path"])
-        if self.rt.is_main and path.parent == self.root:
+        if self.comm.is_main and path.parent == self.root:
             self.owned.add(path)  # verified just now
         error = None
         try:
-            payload = io.safe_load(path / io.RESUME_FILE)
+            payload = storage.safe_load(path / storage.RESUME_FILE)
             self._check_compatible(path, payload)
             for name, obj in states.items():
                 if name in payload:
@@ -201,168 +237,138 @@ class CheckpointManager:
                 elif name in optional:
                     log.warning("%s: no '%s' state in the resume file; it starts fresh", path, name)
                 else:
-                    raise io.CheckpointError(f"{path / io.RESUME_FILE}: no '{name}' state in the resume file")
+                    raise storage.CheckpointError(f"{path / storage.RESUME_FILE}: no '{name}' state in the resume file")
             self._restore_rng(payload)
-        except io.CheckpointError as e:
-            error = (type(e).__name__, str(e))
+        except storage.CheckpointError as e:
+            error = (isinstance(e, storage.CheckpointMismatch), str(e))
         # Every rank loaded; if any failed, all stop here together (no rank enters training alone).
-        failed = [(r, e) for r, e in enumerate(self.rt.all_gather(error)) if e]
+        failed = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e]
         if failed:
-            rank, (kind, message) = failed[0]
-            cls = io.CheckpointMismatch if kind == "CheckpointMismatch" else io.CheckpointError
+            rank, (mismatch, message) = failed[0]
+            cls = storage.CheckpointMismatch if mismatch else storage.CheckpointError
             raise cls(message if error else f"rank {rank} could not load {path}: {message}")
 
-        train = payload["train"]
-        self.meta["run_id"] = payload.get("run_id", self.meta.get("run_id"))
-        if self.rt.is_main:
-            truncate_metrics(self.metrics_path, train["step"])
-        resumed = Resumed(path, train["step"], payload["world_size"], payload["micro_batch"], payload.get("threads"))
-        log.info("loaded %s: step %d, epoch %d, %.2fs", path, train["step"], train["epoch"], time.monotonic() - t0)
-        self._log_rescale(resumed, train)
-        self._warn_changed(payload.get("config", {}))
-        if resumed.threads is not None and resumed.threads != self.meta.get("threads"):
-            log.warning(
-                "the checkpoint was written with %s intra-op threads per process, this run uses %s: "
-                "floating-point results differ, so bit-equality with an uninterrupted run is not promised",
-                resumed.threads, self.meta.get("threads"),
-            )
-        return resumed
-
-    # A resume may change these; each change is said, with the old and new values.
-    _CHANGES = {
-        "steps": "the LR schedule from here on spans the new count",
-        "dtype": "autocast changes the arithmetic: not bit-identical to the uninterrupted run",
-        **{k: "the optimization from here on differs from the uninterrupted run"
-           for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
-    }
-
-    def _warn_changed(self, then: dict) -> None:
-        old, new = then.get("train", {}) if isinstance(then, dict) else {}, self.meta["config"]["train"]
-        for key, consequence in self._CHANGES.items():
-            if key in old and old[key] != new.get(key):
-                log.warning("train.%s was %s, now %s: %s", key, old[key], new.get(key), consequence)
-
-    def _log_rescale(self, r: Resumed, train: dict) -> None:
-        w, micro, accum = self.meta["world_size"], self.meta["micro_batch"], self.meta["accum"]
-        skip = (train["samples_seen"] // self.meta["global_batch"]) * accum
-        where = f"step {r.step} resumes at sample {train['samples_seen']} of epoch {train['epoch']}, skipping {skip} micro-batches per rank"
-        if r.world_size != w or r.micro_batch != micro:
-            log.info("world size %d → %d, micro batch %d → %d: %s", r.world_size, w, r.micro_batch, micro, where)
-        else:
-            log.info("%s", where)
+        self.meta.run_id = payload.get("run_id", self.meta.run_id)
+        step = int(payload["train"]["step"])
+        if self.comm.is_main:
+            truncate_metrics(self.metrics_path, step)
+        log.info("loaded %s: step %d, %.2fs", path, step, time.monotonic() - t0)
+        for dotted, (label, consequence) in self.meta.may_change.items():
+            then, now = lookup(payload, dotted), lookup(self.meta.record(), dotted)
+            if then is not None and then != now:
+                log.warning("%s was %s, now %s: %s", label, then, now, consequence)
+        return Resumed(path, step, payload["world_size"], payload["micro_batch"], dict(payload["train"]))
 
     def _check_compatible(self, path: Path, payload: dict) -> None:
-        """A resume under another model, corpus, global batch or seed is an error naming each field."""
+        """A resume whose checkpoint differs in a `must_match` path is an error naming each."""
         if not isinstance(payload, dict) or payload.get("format") != RESUME_FORMAT:
-            raise io.CheckpointError(f"{path / io.RESUME_FILE}: not a resume file of this trainer (format {payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
-        ours, theirs = self.meta["config"], payload.get("config", {})
-        diffs = []
-        for k in sorted(set(ours["model"]) | set(theirs.get("model", {}))):
-            a, b = theirs.get("model", {}).get(k), ours["model"].get(k)
-            if a != b:
-                diffs.append(f"model.{k} is {a} in the checkpoint, {b} in this run")
-        for label, a, b in (
-            ("seed", theirs.get("seed"), ours["seed"]),
-            ("train.global_batch", payload.get("global_batch"), self.meta["global_batch"]),
-        ):
-            if a != b:
-                diffs.append(f"{label} is {a} in the checkpoint, {b} in this run")
-        fa, fb = payload.get("data_fingerprint", {}), self.meta["data_fingerprint"]
-        for k in ("source_sha256", "tokenizer", "seq_len", "num_samples"):
-            if fa.get(k) != fb.get(k):
-                diffs.append(f"data {k} is {fa.get(k)} in the checkpoint, {fb.get(k)} in this run")
+            found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+            raise storage.CheckpointError(f"{path / storage.RESUME_FILE}: not a resume file of this trainer (format {found!r})")
+        ours = self.meta.record()
+        diffs = [f"{label} is {lookup(payload, dotted)} in the checkpoint, {lookup(ours, dotted)} in this run"
+                 for dotted, label in self.meta.must_match.items() if lookup(payload, dotted) != lookup(ours, dotted)]
         if diffs:
-            raise io.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
+            raise storage.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
 
     def _restore_rng(self, payload: dict) -> None:
         states = payload.get("rng") or []
-        if self.rt.rank < len(states):
-            rng.restore(states[self.rt.rank], self.rt.device)
+        if self.comm.rank < len(states):
+            rng.restore(states[self.comm.rank], self.comm.device)
         else:
             # A rank that did not exist before: its generators get a seed-derived state.
-            rng.seed_all(rng.derive_seed(self.meta["config"]["seed"], self.rt.rank, payload["train"]["step"]))
+            rng.seed_fresh(lookup(payload, "config.seed") or 0, self.comm.rank, int(payload["train"]["step"]))
             log.warning("rank %d has no saved RNG state (the checkpoint had %d ranks); seeded it from (seed, rank, step)",
-                        self.rt.rank, len(states))
+                        self.comm.rank, len(states))
 
-    # ---------------------------------------------------------------- save
-    def due(self, step: int) -> bool:
-        return bool(self.cfg.interval) and step % self.cfg.interval == 0
+    # ---------------------------------------------------------------- after each step
+    def after_step(self, step: int, states: dict[str, Stateful], stop: bool, end: str | None) -> str | None:
+        """Called by every rank after optimizer step `step` (DESIGN.md I7). One collective decides for
+        every rank together (I9): did any rank get a stop signal (`stop`), did a background save
+        fail (then all raise). Saves when the run ends here ("stopped", or the loop's `end`:
+        "halted", "finished") or the interval is due; at an end, drains the pending async save.
+        Returns how the run ends here, or None to go on."""
+        stop_votes, save_failures = self.comm.sum([float(stop), float(self._failed())])
+        if save_failures:
+            self._raise_failure()
+        reason = "stopped" if stop_votes else end
+        if reason or (self.cfg.interval and step % self.cfg.interval == 0):
+            self.save(step, states)
+        if reason:
+            self.drain()
+        return reason
 
-    def save(self, step: int, states: dict[str, Stateful], train: TrainState) -> None:
-        """Save at this optimizer-step boundary (DESIGN.md I7): called by every rank, rank 0 writes.
+    def save(self, step: int, states: dict[str, Stateful]) -> None:
+        """Save at this optimizer-step boundary: called by every rank, rank 0 writes.
 
         Synchronous: returns once the checkpoint is published, and raises on every rank if it was
         not. Asynchronous: returns after the snapshot; a failure surfaces at the next boundary.
         """
         t0 = time.monotonic()
-        rng_states = self.rt.gather(rng.capture(self.rt.device))  # a collective: every rank
+        rng_states = self.comm.gather(rng.capture(self.comm.device))  # a collective: every rank
         failed = False
-        if self.rt.is_main:
+        if self.comm.is_main:
             self.wait()  # the previous async save, before a new one
-            pin = self._pool is not None and self.rt.device.type == "cuda"
+            pin = self.cfg.async_ and self.comm.device.type == "cuda"
             snapshot = {name: obj.state_dict() for name, obj in states.items()}
             # The fp16 copy is made here, on the training thread, in both modes: a tensor op in the
             # background thread would start a second OpenMP team that fights the training's for cores.
             weights = half_weights(snapshot["model"])
-            if self._pool is not None:
+            if self.cfg.async_:
                 snapshot = _to_cpu_copy(snapshot, pin)
-                self._pending = self._pool.submit(self._write, step, snapshot, weights, rng_states, train.state_dict(), t0)
+                self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+                self._pending = self._pool.submit(self._write, step, snapshot, weights, rng_states, t0)
                 log.info("checkpoint step %d: snapshot taken in %.3fs, writing in the background", step, time.monotonic() - t0)
             else:
                 try:
-                    self._write(step, snapshot, weights, rng_states, train.state_dict(), t0)
-                except io.CheckpointError as e:
+                    self._write(step, snapshot, weights, rng_states, t0)
+                except storage.CheckpointError as e:
                     self._error, failed = e, True
-        if self._pool is None and self.rt.any(failed):
-            self.raise_failure()
+        if not self.cfg.async_ and self.comm.any(failed):
+            self._raise_failure()
 
-    def _write(self, step: int, snapshot: dict, weights: dict, rng_states: list, train: dict, t0: float) -> None:
+    def _write(self, step: int, snapshot: dict, weights: dict, rng_states: list, t0: float) -> None:
         """Serialize, hash, fsync and publish (the part an async save does in the background)."""
-        model_state = snapshot["model"]
-        resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **self._meta_for(train)}
-        files = {io.RESUME_FILE: resume, io.WEIGHTS_FILE: weights}
-        manifest = {**train, **{k: v for k, v in self._meta_for(train).items() if k != "data_fingerprint"},
-                    "model_sha256": io.model_sha256(model_state), "created_unix": time.time()}
-        final = io.publish(self.root, step, files, manifest)
+        record = self.meta.record()
+        resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **record}
+        files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights}
+        manifest = {**snapshot["train"], **{k: v for k, v in record.items() if k != "data_fingerprint"},
+                    "model_sha256": storage.model_sha256(snapshot["model"]), "created_unix": time.time()}
+        final = storage.publish(self.root, step, files, manifest)
         self.owned.add(final)
-        pruned = io.prune(self.root, self.cfg.keep, self.owned)
+        pruned = storage.prune(self.root, self.cfg.keep, self.owned)
         log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
                  f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
 
-    def _meta_for(self, train: dict) -> dict:
-        keys = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "config", "data_fingerprint", "run_id")
-        return {k: self.meta.get(k) for k in keys}
-
     # ---------------------------------------------------------------- async bookkeeping
     def wait(self) -> None:
-        """Rank 0: block until the pending background save is done; keep its error for `failed`."""
+        """Rank 0: block until the pending background save is done; keep its error."""
         if self._pending is not None:
             try:
                 self._pending.result()
-            except BaseException as e:  # surfaced through failed() / raise_failure(), never lost
+            except BaseException as e:  # surfaced through _failed() / _raise_failure(), never lost
                 self._error = e
             self._pending = None
 
-    @property
-    def failed(self) -> bool:
-        """Rank 0: did a background save fail? Non-blocking; the loop sums this over ranks."""
+    def _failed(self) -> bool:
+        """Rank 0: did a background save fail? Non-blocking; `after_step` sums this over ranks."""
         if self._pending is not None and self._pending.done():
             self.wait()
         return self._error is not None
 
-    def raise_failure(self) -> None:
+    def _raise_failure(self) -> None:
         """Raise on every rank once the ranks agreed that a save failed."""
         if self._error is not None:
-            raise io.CheckpointError(str(self._error)) from self._error
-        raise io.CheckpointError("rank 0 failed to save a checkpoint (its log has the cause); stopping")
+            raise storage.CheckpointError(str(self._error)) from self._error
+        raise storage.CheckpointError("rank 0 failed to save a checkpoint (its log has the cause); stopping")
 
-    def close(self) -> None:
-        """Drain the pending save (end of run, halt, stop); raise if it failed, on every rank."""
+    def drain(self) -> None:
+        """Wait for the pending save (end of run, halt, stop); raise if it failed, on every rank."""
         self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.rt.any(self._error is not None):
-            self.raise_failure()
+            self._pool = None
+        if self.comm.any(self._error is not None):
+            self._raise_failure()
 
 
 def new_run_id() -> str:

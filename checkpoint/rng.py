@@ -36,14 +36,10 @@ def restore(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that is a pure function of `parts`, e.g. (seed, epoch, step, micro_batch)."""
-    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def seed_all(seed: int) -> None:
-    """Seed python, numpy and torch (all devices) from one integer."""
+def seed_fresh(*parts: int) -> None:
+    """Seed this process's generators from a hash of `parts`: for a rank that a checkpoint has no
+    state for (the world grew)."""
+    seed = int.from_bytes(hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)

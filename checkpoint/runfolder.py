@@ -115,6 +115,21 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
     return RunLock(out_dir, fd)
 
 
+def read_metrics(out_dir: Path) -> list[dict]:
+    """Every line of OUT/metrics.jsonl, parsed; RunFolderError naming the file and line when one is not JSON."""
+    path, rows = Path(out_dir) / METRICS, []
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunFolderError(f"{path}: cannot be read ({e})") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            raise RunFolderError(f"{path}:{lineno}: not a metrics line ({e})") from None
+    return rows
+
+
 def write_status(out_dir: Path, state: str, step: int | None = None, exit_code: int | None = None, cause: str | None = None) -> dict:
     """Replace OUT/status.json atomically (the lock holder only)."""
     record = {"state": state, "step": step, "exit_code": exit_code, "cause": cause,

@@ -2,7 +2,7 @@
 
 SIGTERM (spot reclaim, torchrun's shutdown), SIGUSR1 (SLURM's pre-timeout warning) and SIGINT
 only set a flag here. The loop sums every rank's flag at each optimizer-step boundary
-(`Runtime.sum`), so that when any rank was signalled all of them save at the same step and leave
+(`CheckpointManager.after_step`), so that when any rank was signalled all of them save at the same step and leave
 together; nobody waits on a collective that another rank already left (DESIGN.md I9).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ EXIT_STOPPED = 75
 
 
 class StopFlag:
-    """Installs the handlers; `requested` turns True at the first signal and stays True.
+    """Installs the handlers; `poll()` turns True at the first signal and stays True.
 
     Under torchrun it also watches the launcher: a worker whose agent died (SIGKILLed, OOM-killed)
     would train on unsupervised and race the next launch for the checkpoint folder, so it stops
@@ -38,12 +38,11 @@ class StopFlag:
             self.signal = signal.Signals(signum).name
             self.received_at = time.monotonic()
 
-    @property
-    def requested(self) -> bool:
+    def poll(self) -> bool:
+        """Has a stop been asked for? Also checks, under torchrun, whether the agent is still there."""
         if self.signal is None and self._parent is not None and os.getppid() != self._parent:
             self.signal, self.received_at = "the exit of the torchrun agent", time.monotonic()
         return self.signal is not None
-
 
     def restore(self) -> None:
         """Put back the handlers that were there before (for callers of train.main in-process)."""

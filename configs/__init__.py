@@ -14,7 +14,9 @@ from typing import Any
 
 import yaml
 
+from checkpoint.config import CheckpointConfig
 from model.config import ModelConfig
+from runtime.setup import DistConfig, RuntimeConfig
 
 
 class ConfigError(ValueError):
@@ -82,64 +84,6 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    interval: int = 50
-    """Save every N optimizer steps (0: only at the end, at train.halt_at and on a stop signal)."""
-    keep: int = 3
-    """Newest checkpoints kept (at least 2); older ones are pruned after a new one is published."""
-    async_: bool = field(default=False, metadata={"key": "async"})
-    """Serialize, hash and publish in a background thread after a copy to CPU memory."""
-    resume: str = "auto"
-    """auto (newest valid checkpoint in out_dir; none there: a fresh start) | never (a fresh start;
-    an error if out_dir holds checkpoints) | a checkpoint folder."""
-    lock_timeout_s: float = 120.0
-    """How long a launch waits for another run holding out_dir (e.g. one finishing its final save)
-    before it refuses (exit 2)."""
-
-    def __post_init__(self) -> None:
-        _positive("checkpoint.interval", self.interval, zero_ok=True)
-        _positive("checkpoint.lock_timeout_s", self.lock_timeout_s, zero_ok=True)
-        if self.keep < 2:
-            raise ConfigError(f"checkpoint.keep: expected at least 2, got {self.keep}")
-        if self.resume not in ("auto", "never"):
-            # Checked here, before data preparation and before anything is written to out_dir.
-            path = Path(self.resume)
-            if not path.exists():
-                raise ConfigError(f"checkpoint.resume: {path} does not exist (expected auto, never, or a checkpoint folder)")
-            if not path.is_dir():
-                raise ConfigError(f"checkpoint.resume: {path} is a file (expected auto, never, or a checkpoint folder such as OUT/checkpoints/step_00000060)")
-
-
-@dataclass
-class DistConfig:
-    reduce: str = "ddp"
-    """ddp (DistributedDataParallel) | canonical (world-size-invariant gradient sum)."""
-    backend: str = "auto"
-    """auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
-    timeout_s: int = 600
-    """Collective timeout."""
-
-    def __post_init__(self) -> None:
-        _choice("dist.reduce", self.reduce, ("ddp", "canonical"))
-        _choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
-        _positive("dist.timeout_s", self.timeout_s)
-
-
-@dataclass
-class RuntimeConfig:
-    device: str = "auto"
-    """auto (CUDA when present) | cpu | cuda."""
-    threads: int = 0
-    """Intra-op threads per process; 0: 1 under dist.reduce=canonical, else cores / local processes."""
-    deterministic: bool = False
-    """torch.use_deterministic_algorithms(True) and, on CUDA, CUBLAS_WORKSPACE_CONFIG and cuDNN flags."""
-
-    def __post_init__(self) -> None:
-        _choice("runtime.device", self.device, ("auto", "cpu", "cuda"))
-        _positive("runtime.threads", self.threads, zero_ok=True)
-
-
-@dataclass
 class LogConfig:
     sample_ids: bool = False
     """Record each step's global sample indices in metrics.jsonl."""
@@ -150,20 +94,6 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         _positive("log.every", self.every)
-
-
-LEAVE_OUT = ("none", "optimizer", "data_position", "fp16_weights", "lr_schedule", "minimind_world_size_rule")
-
-
-@dataclass
-class LabConfig:
-    leave_out: str = "none"
-    """Resume lab only: resume with one piece of state left out, to measure what it is for (the
-    result is NOT exact): none | optimizer | data_position | fp16_weights | lr_schedule |
-    minimind_world_size_rule."""
-
-    def __post_init__(self) -> None:
-        _choice("lab.leave_out", self.leave_out, LEAVE_OUT)
 
 
 @dataclass
@@ -179,7 +109,6 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    lab: LabConfig = field(default_factory=LabConfig)
 
     def __post_init__(self) -> None:
         if self.checkpoint.lock_timeout_s >= self.dist.timeout_s:
@@ -238,7 +167,7 @@ def _build(cls: type, data: dict, prefix: str, source: str, construct: bool = Tr
         return cls(**kwargs)
     except ConfigError:
         raise
-    except (ValueError, TypeError) as e:  # ModelConfig's own validation
+    except (ValueError, TypeError) as e:  # the validation of ModelConfig, CheckpointConfig, RuntimeConfig, DistConfig
         raise ConfigError(f"{source}: {e}") from None
 
 

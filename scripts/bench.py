@@ -30,8 +30,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import train  # noqa: E402
-from checkpoint import CheckpointManager, TrainState  # noqa: E402
-from configs import CheckpointConfig, load_config, to_dict  # noqa: E402
+from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, runfolder  # noqa: E402
+from configs import load_config, to_dict  # noqa: E402
 from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
 from model import MiniMindLM, ModelConfig  # noqa: E402
 from runtime import Runtime  # noqa: E402
@@ -86,9 +86,8 @@ def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[
     model, opt = trained_states(mcfg)
     rt = Runtime()
     cfg = load_config(None, [f"model.{k}={v}" for k, v in to_dict(mcfg).items()])
-    meta = {"world_size": 1, "global_batch": 1, "micro_batch": 1, "accum": 1, "threads": torch.get_num_threads(),
-            "reduce": "ddp", "config": to_dict(cfg), "data_fingerprint": {}, "run_id": "bench"}
-    states = {"model": model, "optimizer": opt, "train": TrainState(step=1)}
+    meta = RunMeta(1, 1, 1, 1, torch.get_num_threads(), "ddp", to_dict(cfg), {}, "bench")
+    states = {"model": model, "optimizer": opt, "train": train.TrainState(step=1)}
     results: dict[str, float] = {}
     step = iter(range(1, 10_000))
     quiet = logging.getLogger("minimind")
@@ -101,11 +100,12 @@ def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[
         for _ in range(repeat):
             s = next(step)
             t0 = time.perf_counter()
-            mgr.save(s, states, TrainState(step=s))
+            states["train"].step = s
+            mgr.save(s, states)
             stalls.append(time.perf_counter() - t0)
             mgr.wait()  # the background part, outside the stall
             totals.append(time.perf_counter() - t0)
-        mgr.close()
+        mgr.drain()
         results[f"ours {'async' if async_ else 'sync'} total"] = statistics.median(totals)
         shutil.rmtree(out)
         return statistics.median(stalls)
@@ -149,7 +149,7 @@ def run_train(args: list[str], log: Path) -> list[dict]:
     logging.basicConfig(force=True, level=logging.WARNING)
     if code != 0:
         raise SystemExit(f"bench: a training run failed, see {log}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return runfolder.read_metrics(out)
 
 
 def throughput(rows: list[dict], skip: int, tokens_per_step: int) -> float:
@@ -233,7 +233,7 @@ def reduce_rows(steps: int, work: Path) -> list[dict]:
         with open(work / "torchrun.log", "a") as f:
             if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 raise SystemExit(f"bench: torchrun failed, see {work / 'torchrun.log'}")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][3:]
+        rows = runfolder.read_metrics(out)[3:]
         med[mode] = statistics.median(r["step_s"] for r in rows)
     return [{"row": "step time, tiny, 2 processes", "what": "canonical / ddp", "value": med["canonical"] / med["ddp"],
              "detail": f"{med['canonical'] * 1e3:.0f} ms / {med['ddp'] * 1e3:.0f} ms", "aim": "canonical / ddp step time, 2 processes"}]

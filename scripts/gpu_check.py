@@ -45,8 +45,9 @@ def final(run: Path) -> tuple[str | None, list[float]]:
         sha = inspect_path(run)["model_sha256"]
     except Exception:  # noqa: BLE001 - reported as a failed row
         sha = None
-    metrics = run / "metrics.jsonl"
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    from checkpoint import runfolder
+
+    losses = [m["loss"] for m in runfolder.read_metrics(run)] if (run / runfolder.METRICS).exists() else []
     return sha, losses
 
 
@@ -90,7 +91,9 @@ def throughput(work: Path, base: list[str], steps: int, device: str) -> list[dic
                          "checkpoint.interval=0", f"out_dir={out}"], work / "launches.log")
     if code != 0:
         return [{"check": "throughput", "result": f"FAILED (exit {code})", "detail": "see launches.log", "ok": False}]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][3:]
+    from checkpoint import runfolder
+
+    rows = runfolder.read_metrics(out)[3:]
     tps = statistics.median(r["tokens_per_s"] for r in rows)
     cfg = load_config(ROOT / "configs" / "minimind2_small.yaml", [a for a in base if a.startswith("model.")]).model
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"

@@ -3,16 +3,20 @@
     python scripts/resume_lab.py [--out DIR] [--nproc N] [--steps 60] [--halt 30] [key=value ...]
 
 A reference run of 60 steps at once; a run stopped at 30, saved, resumed to 60, which must equal
-the reference bit for bit; then one resume at 30 per piece of state left out (lab.leave_out), and
-the distance of each from the reference at every step from 30 to 60. Every run is train.py itself:
-in this process for one process (train.main), under torchrun for more. Prints a markdown table,
+the reference bit for bit; then one resume at 30 per piece of state left out, and the distance of
+each from the reference at every step from 30 to 60. Every run is train.py itself: in this process
+for one process (train.main), under torchrun for more. A piece is left out by editing a copy of the
+step-30 checkpoint before a normal resume (a fresh optimizer state, the data position rewound, fp16
+weights, MiniMind's step rescale), except the LR schedule, which the lab restarts by shifting
+train.lr_at in the process it launches: the trainer has no lab switches. Prints a markdown table,
 writes OUT/results.json and, with matplotlib installed, OUT/distance.png.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io as bytes_io
+import hashlib
+import io
 import json
 import logging
 import shutil
@@ -28,35 +32,88 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import train  # noqa: E402
-from checkpoint import io  # noqa: E402
-from checkpoint.inference import find_checkpoint, load_model  # noqa: E402
+from checkpoint import runfolder, storage  # noqa: E402
 from data import PackedDataset, pack, resolve_source  # noqa: E402
+from inference import load_model  # noqa: E402
 
 ABLATIONS = {
     "optimizer": "optimizer state (a fresh AdamW)",
     "data_position": "data position (order rewound to the epoch's start)",
     "fp16_weights": "fp16 weights in the resume file (MiniMind today)",
-    "minimind_world_size_rule": "world size {old} → {new} with MiniMind's step × old // new",
+    "minimind_world_size_rule": "MiniMind's step × old // new on a fixed global batch, world size {old} → {new}",
     "lr_schedule": "LR schedule restarted from step 0",
 }
 
 
-def launch(nproc: int, args: list[str], log: Path) -> None:
+@contextlib.contextmanager
+def lr_restarted_at(origin: int):
+    """train.lr_at as if the schedule had restarted at step `origin` (a scheduler not saved)."""
+    lr_at = train.lr_at
+    train.lr_at = lambda step, t: lr_at(step - origin, t)
+    try:
+        yield
+    finally:
+        train.lr_at = lr_at
+
+
+def launch(nproc: int, args: list[str], log: Path, lr_origin: int = 0) -> None:
     """One run of train.py: in this process for nproc 1, else under torchrun. Raises on failure."""
     with open(log, "a") as f:
         if nproc == 1:
-            with contextlib.redirect_stderr(f), contextlib.redirect_stdout(f):
+            with contextlib.redirect_stderr(f), contextlib.redirect_stdout(f), lr_restarted_at(lr_origin):
                 code = train.main(args)
             logging.basicConfig(force=True, level=logging.WARNING)  # train's handler wrote to `f`, now closed
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+            entry = ["scripts/resume_lab.py", "--as-train", str(lr_origin)] if lr_origin else ["train.py"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
             code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise SystemExit(f"resume_lab: a run failed (exit {code}); see {log}")
 
 
+def step_folder(run: Path, step: int) -> Path:
+    return run / runfolder.CHECKPOINTS / storage.step_dir_name(step)
+
+
 def weights_at(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return io.safe_load(run / "checkpoints" / f"step_{step:08d}" / io.RESUME_FILE)["model"]
+    return storage.safe_load(step_folder(run, step) / storage.RESUME_FILE)["model"]
+
+
+def edit_checkpoint(folder: Path, edit) -> Path:
+    """Rewrite a checkpoint's resume file through `edit(payload)`, reseal its manifest and rename
+    the folder after its (maybe edited) step: how the lab leaves a piece of state out before a
+    normal resume. Returns the folder's new path."""
+    path = folder / storage.RESUME_FILE
+    payload = storage.safe_load(path)
+    edit(payload)
+    torch.save(payload, path)
+    data = path.read_bytes()
+    manifest = json.loads((folder / storage.MANIFEST).read_text())
+    manifest["files"][storage.RESUME_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest.update(payload["train"])
+    (folder / storage.MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return folder.rename(folder.with_name(storage.step_dir_name(payload["train"]["step"])))
+
+
+def leave_out(case: str, folder: Path, old_world: int, new_world: int, steps_per_epoch: int) -> Path:
+    """Edit the copied checkpoint so that the resume misses one piece of state (the one named)."""
+
+    def edit(payload: dict) -> None:
+        train_state = payload["train"]
+        if case == "optimizer":  # as if only the weights had been saved: AdamW's moments start at zero
+            payload["optimizer"]["state"] = {}
+        elif case == "data_position":  # a loader without a skip: the epoch's order from its start
+            train_state["samples_seen"] = 0
+        elif case == "fp16_weights":  # MiniMind's resume file holds half-precision weights
+            payload["model"] = {k: v.half().float() for k, v in payload["model"].items()}
+        elif case == "minimind_world_size_rule":
+            # MiniMind rescales its step counter by old // new world size, right for its fixed per-GPU
+            # batch; here the global batch is fixed, so the counter (and the data with it) goes back.
+            step = train_state["step"] * old_world // new_world
+            epoch, done = divmod(step, steps_per_epoch)
+            train_state.update(step=step, epoch=epoch, samples_seen=done * payload["global_batch"])
+
+    return edit_checkpoint(folder, edit) if case != "lr_schedule" else folder
 
 
 def distance(a: dict, b: dict) -> tuple[float, float]:
@@ -66,29 +123,29 @@ def distance(a: dict, b: dict) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm() / ref.norm()).item()
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+metrics = runfolder.read_metrics
 
 
-def sample_accounting(run: Path, ref: Path) -> tuple[int, int]:
-    """(samples repeated, samples skipped) over the whole run, against the reference's consumption."""
-    got = Counter(i for m in metrics(run) for i in m["sample_ids"])
+def sample_accounting(halted: Path, run: Path, resumed_at: int, ref: Path) -> tuple[int, int]:
+    """(samples repeated, samples skipped) over the whole run, against the reference's consumption:
+    what the halted run consumed, then what the resumed run consumed after the step it resumed at."""
+    got = Counter(i for m in metrics(halted) for i in m["sample_ids"])
+    got += Counter(i for m in metrics(run) if m["step"] > resumed_at for i in m["sample_ids"])
     want = Counter(i for m in metrics(ref) for i in m["sample_ids"])
-    # A run that restarts its counter logs some steps twice: count what it consumed, in order.
     return sum((got - want).values()), sum((want - got).values())
 
 
 def sizes(ref: Path, steps: int) -> dict:
     """The seed's figures: file sizes, the optimizer's share, and what fp16 weights do to the logits."""
-    folder = ref / "checkpoints" / f"step_{steps:08d}"
-    payload = io.safe_load(folder / io.RESUME_FILE)
+    folder = step_folder(ref, steps)
+    payload = storage.safe_load(folder / storage.RESUME_FILE)
 
     def nbytes(obj) -> int:
-        buf = bytes_io.BytesIO()
+        buf = io.BytesIO()
         torch.save(obj, buf)
         return buf.tell()
 
-    resume, weights = (folder / io.RESUME_FILE).stat().st_size, (folder / io.WEIGHTS_FILE).stat().st_size
+    resume, weights = (folder / storage.RESUME_FILE).stat().st_size, (folder / storage.WEIGHTS_FILE).stat().st_size
     optimizer = nbytes(payload["optimizer"])
     fp16 = load_model(folder)  # the inference path: fp16 file -> fp32 model
     fp32 = type(fp16)(fp16.cfg)
@@ -111,6 +168,14 @@ def sizes(ref: Path, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--as-train"]:  # a torchrun worker of the LR-schedule case: train.py, schedule shifted
+        from checkpoint.stop import ignore_stop_signals
+
+        with lr_restarted_at(int(argv[1])):
+            code = train.main(argv[2:])
+        ignore_stop_signals()  # as train.py's own __main__ does
+        return code
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "resume_lab")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (the world-size ablation uses nproc + 1)")
@@ -132,47 +197,54 @@ def main(argv: list[str] | None = None) -> int:
             "log.sample_ids=true", "log.progress=false", *a.overrides]
     every_step = ["checkpoint.interval=1", f"checkpoint.keep={a.steps - a.halt + 1}"]
 
-    def run(name: str, nproc: int, *extra: str) -> Path:
+    def run(name: str, nproc: int, *extra: str, lr_origin: int = 0) -> Path:
         print(f"[lab] {name} ({nproc} process{'es' if nproc > 1 else ''})", file=sys.stderr, flush=True)
-        launch(nproc, [*base, *extra, f"out_dir={out / name}"], log)
+        launch(nproc, [*base, *extra, f"out_dir={out / name}"], log, lr_origin)
         return out / name
 
     ref = run("reference", a.nproc, *every_step)
     halted = run("halted", a.nproc, f"train.halt_at={a.halt}", "checkpoint.interval=0")
 
     def resumed_copy(name: str) -> Path:
+        """The halted run's checkpoint and log, copied into a run folder of its own; returns the checkpoint."""
         dest = out / name
-        (dest / "checkpoints").mkdir(parents=True)
-        shutil.copytree(halted / "checkpoints" / f"step_{a.halt:08d}", dest / "checkpoints" / f"step_{a.halt:08d}")
-        shutil.copy(halted / "metrics.jsonl", dest / "metrics.jsonl")
-        return dest
+        (dest / runfolder.CHECKPOINTS).mkdir(parents=True)
+        shutil.copytree(step_folder(halted, a.halt), step_folder(dest, a.halt))
+        shutil.copy(halted / runfolder.METRICS, dest / runfolder.METRICS)
+        return step_folder(dest, a.halt)
 
     ref_w = {s: weights_at(ref, s) for s in range(a.halt, a.steps + 1)}
     ref_loss = metrics(ref)[-1]["loss"]
     rows, curves = [], {}
 
-    def measure(name: str, label: str, nproc: int, *extra: str) -> None:
-        resumed_copy(name)
-        run(name, nproc, *every_step, *extra)
+    spe = int(storage.safe_load(step_folder(halted, a.halt) / storage.RESUME_FILE)["data_fingerprint"]["num_samples"]) // int(
+        storage.read_manifest(step_folder(halted, a.halt))["global_batch"])
+
+    def measure(name: str, label: str, nproc: int, case: str | None = None) -> None:
+        folder = resumed_copy(name)
+        if case:
+            folder = leave_out(case, folder, a.nproc, nproc, spe)
+        resumed_at = storage.read_manifest(folder)["step"]
+        run(name, nproc, *every_step, lr_origin=a.halt if case == "lr_schedule" else 0)
         dest = out / name
-        steps = sorted(s for s, _ in io.list_checkpoints(dest / "checkpoints"))
+        steps = sorted(s for s, _ in storage.list_checkpoints(dest / runfolder.CHECKPOINTS))
         curve = {s: distance(weights_at(dest, s), ref_w[s])[1] for s in steps if s in ref_w and s > a.halt}
         max_dw, rel = distance(weights_at(dest, a.steps), ref_w[a.steps])
-        repeated, skipped = sample_accounting(dest, ref)
+        repeated, skipped = sample_accounting(halted, dest, resumed_at, ref)
         rows.append({"case": name, "label": label, "max_abs_dw": max_dw, "rel_l2": rel,
                      "final_loss_diff": metrics(dest)[-1]["loss"] - ref_loss, "samples_repeated": repeated,
                      "samples_skipped": skipped, "sha256_equal": launch_sha(dest) == launch_sha(ref)})
         curves[name] = curve
-        for step, folder in io.list_checkpoints(dest / "checkpoints"):
+        for step, kept in storage.list_checkpoints(dest / runfolder.CHECKPOINTS):
             if step != a.steps:
-                shutil.rmtree(folder)  # keep the final one; the curve is measured
+                shutil.rmtree(kept)  # keep the final one; the curve is measured
 
     measure("exact", f"nothing left out: stop at {a.halt}, resume", a.nproc)
     new = a.nproc + 1
     measure("world_size_ours", f"world size {a.nproc} → {new}, our rule (samples_seen)", new)
     for key, label in ABLATIONS.items():
         nproc = new if key == "minimind_world_size_rule" else a.nproc
-        measure(key, label.format(old=a.nproc, new=new), nproc, f"lab.leave_out={key}")
+        measure(key, label.format(old=a.nproc, new=new), nproc, key)
 
     result = {"steps": a.steps, "halt": a.halt, "nproc": a.nproc, "rows": rows, "sizes": sizes(ref, a.steps),
               "curves": {k: {str(s): v for s, v in c.items()} for k, c in curves.items()}, "seconds": round(time.time() - t0, 1)}
@@ -188,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_sha(run: Path) -> str:
     """model_sha256 of a run's newest valid checkpoint, from its manifest."""
-    return find_checkpoint(run)[1]["model_sha256"]
+    return storage.find_checkpoint(run)[1]["model_sha256"]
 
 
 def table(r: dict) -> str:

@@ -13,9 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import io  # noqa: E402
+from checkpoint import storage  # noqa: E402
 
-_write_file = io._write_file
+_write_file = storage._write_file
 
 
 def _slow_write_file(path, obj):
@@ -24,6 +24,6 @@ def _slow_write_file(path, obj):
     return entry
 
 
-io._write_file = _slow_write_file
+storage._write_file = _slow_write_file
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

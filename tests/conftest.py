@@ -71,7 +71,9 @@ def epochs(tiny) -> list[str]:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, epochs):
-    """Uninterrupted runs, launched once per session: reference(nproc, *extra) -> run folder."""
+    """Uninterrupted runs, launched once per session, with a checkpoint at every step (saving changes
+    nothing in the arithmetic): reference(nproc, *extra) -> run folder. A test compares its run with
+    the reference at any step by the manifest's model_sha256 (launch.sha_at) instead of rerunning."""
     import launch
 
     made: dict = {}
@@ -80,7 +82,7 @@ def reference(tmp_path_factory, epochs):
         key = (nproc, extra)
         if key not in made:
             out = tmp_path_factory.mktemp(f"ref{nproc}")
-            launch.run(nproc, *epochs, *extra, f"out_dir={out}")
+            launch.run(nproc, *epochs, "checkpoint.interval=1", "checkpoint.keep=1000", *extra, f"out_dir={out}")
             made[key] = out
         return made[key]
 

@@ -1,7 +1,6 @@
 """Launching train.py the way users do (torchrun or plain python) and reading what a run left."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,32 @@ def run(nproc: int, *overrides: str, expect: int | None = 0, env: dict | None = 
 
 
 def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    from checkpoint import runfolder
+
+    return runfolder.read_metrics(Path(out))
+
+
+def sha_at(out: Path, step: int) -> str:
+    """model_sha256 of a run's checkpoint at `step`, from its verified manifest."""
+    return storage_manifest(out, step)["model_sha256"]
+
+
+def storage_manifest(out: Path, step: int) -> dict:
+    """The verified manifest of a run's checkpoint at `step`."""
+    from checkpoint import runfolder, storage
+
+    return storage.verify(Path(out) / runfolder.CHECKPOINTS / storage.step_dir_name(step))
+
+
+def assert_same_as_reference_at(out: Path, ref: Path, step: int | None = None) -> None:
+    """`out` equals the uninterrupted `ref` up to `step` (default: out's newest checkpoint): every
+    logged loss (and sample ids, when logged) and the weights' sha256 at that step."""
+    step = step or inspect(out)["step"]
+    got, want = [m for m in metrics(out) if m["step"] <= step], [m for m in metrics(ref) if m["step"] <= step]
+    assert [m["step"] for m in got] == list(range(1, step + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+    assert [m.get("sample_ids") for m in got] == [m.get("sample_ids") for m in want]
+    assert sha_at(out, step) == sha_at(ref, step)
 
 
 def losses(out: Path) -> list[float]:
@@ -74,6 +98,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def workers(agent_pid: int) -> list[int]:
     """torchrun's worker processes (its python children), sorted by pid = by local rank."""
     return sorted(p for p in children(agent_pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
@@ -108,12 +140,19 @@ def lines(path: Path) -> int:
         return 0
 
 
-def in_process(capsys, *overrides: str) -> tuple[int, str]:
-    """`train.main()` in this process (world size 1): the same code path, without the launch cost.
-    Used where a test needs many short runs; every resume test also has real launches."""
+def in_process(*overrides: str) -> tuple[int, str]:
+    """`train.main()` in this process (world size 1): the same code path, without the launch cost;
+    returns its exit code and what it wrote to stderr. Needs no per-test fixture, so session- and
+    module-scoped fixtures can use it. Every resume property also has real launches."""
+    import contextlib
+    import io
+    import logging
+
     sys.path.insert(0, str(ROOT))
     import train
 
-    capsys.readouterr()
-    code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides])
-    return code, capsys.readouterr().err
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides])
+    logging.basicConfig(handlers=[logging.StreamHandler()], level=logging.WARNING, force=True)  # off the StringIO
+    return code, err.getvalue()

@@ -4,15 +4,19 @@ import signal
 
 import torch
 
+import pytest
+
 import launch
-from checkpoint import io
+from checkpoint import storage as io
+
+pytestmark = pytest.mark.e2e
 
 
-def test_an_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path, tiny, capsys):
+def test_an_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path, tiny):
     runs = {}
     for mode in ("false", "true"):
         out = tmp_path / mode
-        assert launch.in_process(capsys, *tiny, "checkpoint.interval=3", "checkpoint.keep=10", f"checkpoint.async={mode}", f"out_dir={out}")[0] == 0
+        assert launch.in_process(*tiny, "checkpoint.interval=3", "checkpoint.keep=10", f"checkpoint.async={mode}", f"out_dir={out}")[0] == 0
         runs[mode] = out
     sync, async_ = (io.list_checkpoints(runs[m] / "checkpoints") for m in ("false", "true"))
     assert [s for s, _ in sync] == [s for s, _ in async_] == [20, 18, 15, 12, 9, 6, 3]

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import io, rng
+from checkpoint import rng, storage as io
+from runtime.seeding import derive_seed
 from checkpoint.manager import half_weights, truncate_metrics
+
+pytestmark = pytest.mark.unit
 
 
 class Explodes:
@@ -187,9 +190,9 @@ def test_rng_state_round_trips_as_tensors_and_ints_through_a_weights_only_load(t
 
 
 def test_derived_seeds_are_a_pure_function_of_their_parts():
-    assert rng.derive_seed(1, 0, 5, 2) == rng.derive_seed(1, 0, 5, 2)
-    assert len({rng.derive_seed(1, 0, 5, i) for i in range(100)}) == 100
-    assert 0 <= rng.derive_seed(2**40, 3) < 2**63
+    assert derive_seed(1, 0, 5, 2) == derive_seed(1, 0, 5, 2)
+    assert len({derive_seed(1, 0, 5, i) for i in range(100)}) == 100
+    assert 0 <= derive_seed(2**40, 3) < 2**63
 
 
 def test_model_sha256_is_over_fp32_bytes_in_state_dict_order():

@@ -9,19 +9,23 @@ import pytest
 import torch
 
 import launch
-from checkpoint import io
-from checkpoint.inference import generate, load_model
+from checkpoint import storage as io
+from inference import generate, load_model
 
 
-@pytest.fixture
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
 def short(tiny):
     return [*tiny, "checkpoint.interval=4", "train.steps=12"]
 
 
-@pytest.fixture
-def reference12(tmp_path_factory, short, capsys):
+@pytest.fixture(scope="module")
+def reference12(tmp_path_factory, short):
+    """Built once for the module (it depends on no per-test fixture)."""
     out = tmp_path_factory.mktemp("ref12")
-    assert launch.in_process(capsys, *short, f"out_dir={out}")[0] == 0
+    assert launch.in_process(*short, f"out_dir={out}")[0] == 0
     return out
 
 
@@ -49,11 +53,11 @@ def reseal(folder):
 
 
 @pytest.mark.parametrize("how", ["flipped byte", "truncated", "missing file", "manifest that does not parse"])
-def test_a_damaged_newest_checkpoint_is_reported_and_skipped_for_the_newest_that_verifies(tmp_path, short, reference12, capsys, how):
-    code, _ = launch.in_process(capsys, *short, "train.halt_at=8", f"out_dir={tmp_path}")
+def test_a_damaged_newest_checkpoint_is_reported_and_skipped_for_the_newest_that_verifies(tmp_path, short, reference12, how):
+    code, _ = launch.in_process(*short, "train.halt_at=8", f"out_dir={tmp_path}")
     assert code == 0
     damage(tmp_path / "checkpoints" / "step_00000008", how)
-    code, err = launch.in_process(capsys, *short, f"out_dir={tmp_path}")
+    code, err = launch.in_process(*short, f"out_dir={tmp_path}")
     assert code == 0
     assert "skipping checkpoint step 8: " in err and "step_00000008" in err
     assert "step 4 resumes at sample 32" in err
@@ -61,17 +65,17 @@ def test_a_damaged_newest_checkpoint_is_reported_and_skipped_for_the_newest_that
     assert launch.losses(tmp_path) == launch.losses(reference12)
 
 
-def test_an_explicit_path_to_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, short, capsys):
-    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+def test_an_explicit_path_to_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, short):
+    launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints" / "step_00000004"
     damage(folder, "flipped byte")
-    code, err = launch.in_process(capsys, *short, f"checkpoint.resume={folder}", f"out_dir={tmp_path / 'other'}")
+    code, err = launch.in_process(*short, f"checkpoint.resume={folder}", f"out_dir={tmp_path / 'other'}")
     assert code == 1
     assert f"{folder / io.RESUME_FILE}: sha256" in err and "does not match the manifest" in err
 
 
-def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(tmp_path, short, capsys):
-    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(tmp_path, short):
+    launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints" / "step_00000004"
     marker = tmp_path / "the-payload-ran"
 
@@ -86,7 +90,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
     reseal(folder)  # the manifest vouches for the files: it must not matter
     io.verify(folder)
 
-    code, err = launch.in_process(capsys, *short, f"out_dir={tmp_path}")
+    code, err = launch.in_process(*short, f"out_dir={tmp_path}")
     assert code == 1 and "resume.pth: not a plain checkpoint" in err and "refused without running them" in err
     with pytest.raises(io.CheckpointError, match="not a plain checkpoint"):
         launch.inspect(folder)
@@ -102,25 +106,25 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
     ("seed=7", "seed is 1337 in the checkpoint, 7 in this run"),
     ("data.num_samples=100", "data num_samples is"),
 ])
-def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field(tmp_path, short, capsys, change, expected):
-    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field(tmp_path, short, change, expected):
+    launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
     before = (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes()
-    code, err = launch.in_process(capsys, *short, change, f"out_dir={tmp_path}")
+    code, err = launch.in_process(*short, change, f"out_dir={tmp_path}")
     assert code == 2 and "cannot resume this run from it" in err and expected in err
     assert (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes() == before
     assert [s for s, _ in io.list_checkpoints(tmp_path / "checkpoints")] == [4]
 
 
-def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, short, corpus, capsys):
-    launch.in_process(capsys, *short, "train.halt_at=4", f"out_dir={tmp_path}")
+def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, short, corpus):
+    launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
     edited = tmp_path / "edited.jsonl"
     edited.write_text(corpus.read_text().replace("model", "modal"))
-    code, err = launch.in_process(capsys, *short, f"data.path={edited}", f"out_dir={tmp_path}")
+    code, err = launch.in_process(*short, f"data.path={edited}", f"out_dir={tmp_path}")
     assert code == 2 and "data source_sha256 is" in err
 
 
 @pytest.mark.parametrize("async_save", ["false", "true"])
-def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, capsys, monkeypatch, async_save):
+def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, monkeypatch, async_save):
     real = io._write_file
 
     def disk_full(path, obj):
@@ -129,7 +133,7 @@ def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previ
         return real(path, obj)
 
     monkeypatch.setattr(io, "_write_file", disk_full)
-    code, err = launch.in_process(capsys, *short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
+    code, err = launch.in_process(*short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
     assert code == 1
     assert "saving step 8 to" in err and "step_00000008 failed" in err and "No space left on device" in err
     ckpts = tmp_path / "checkpoints"

@@ -3,6 +3,8 @@ import yaml
 
 from configs import Config, ConfigError, load_config, to_dict
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_then_file_then_command_line(tmp_path):
     f = tmp_path / "c.yaml"

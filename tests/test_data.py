@@ -8,6 +8,8 @@ import torch
 from data import DataError, PackedDataset, pack, resolve_source, tokenizer
 from data.prepare import build_stdlib_corpus, unigram_entropy
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text", ["", "hello", "naïve café – 日本語 🚀", "tabs\tand\nnewlines\r\n", "\x00\x7f"])
 def test_any_utf8_text_round_trips_through_the_byte_tokenizer(text):
@@ -17,8 +19,15 @@ def test_any_utf8_text_round_trips_through_the_byte_tokenizer(text):
     assert tokenizer.decode(ids) == text
 
 
-def test_special_tokens_follow_the_256_bytes():
-    assert (tokenizer.BOS, tokenizer.EOS, tokenizer.PAD, tokenizer.VOCAB_SIZE) == (256, 257, 258, 259)
+def test_special_tokens_never_collide_with_a_byte_and_the_model_has_a_row_for_every_id():
+    from model import ModelConfig
+
+    every_byte = bytes(range(256)).decode("latin-1")  # 256 characters, whose UTF-8 covers 128 bytes plus lead bytes
+    ids = tokenizer.encode(every_byte, bos=True, eos=True)
+    specials = {tokenizer.BOS, tokenizer.EOS, tokenizer.PAD}
+    assert len(specials) == 3 and not specials & set(ids[1:-1])
+    assert tokenizer.decode([tokenizer.BOS, *ids, tokenizer.PAD, tokenizer.EOS]) == every_byte  # specials are dropped
+    assert max(specials) < tokenizer.VOCAB_SIZE <= ModelConfig().vocab_size
 
 
 def write_jsonl(path, texts):

@@ -5,8 +5,10 @@ import torch
 from torch import serialization
 
 import launch
-from checkpoint import io
+from checkpoint import storage as io
 from configs import ConfigError, load_config
+
+pytestmark = pytest.mark.e2e
 
 
 def test_an_unknown_dtype_is_an_error_naming_the_choices():
@@ -15,11 +17,11 @@ def test_an_unknown_dtype_is_an_error_naming_the_choices():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mixed_precision_resumes_bit_identically_with_the_scalers_state(tmp_path, tiny, capsys, dtype):
+def test_mixed_precision_resumes_bit_identically_with_the_scalers_state(tmp_path, tiny, dtype):
     args = [*tiny, "train.steps=8", f"train.dtype={dtype}"]
-    assert launch.in_process(capsys, *args, f"out_dir={tmp_path / 'ref'}")[0] == 0
-    assert launch.in_process(capsys, *args, "train.halt_at=3", f"out_dir={tmp_path / 'run'}")[0] == 0
-    assert launch.in_process(capsys, *args, f"out_dir={tmp_path / 'run'}")[0] == 0
+    assert launch.in_process(*args, f"out_dir={tmp_path / 'ref'}")[0] == 0
+    assert launch.in_process(*args, "train.halt_at=3", f"out_dir={tmp_path / 'run'}")[0] == 0
+    assert launch.in_process(*args, f"out_dir={tmp_path / 'run'}")[0] == 0
     assert launch.losses(tmp_path / "run") == launch.losses(tmp_path / "ref")
     assert launch.inspect(tmp_path / "run")["model_sha256"] == launch.inspect(tmp_path / "ref")["model_sha256"]
     payload = io.safe_load(tmp_path / "run" / "checkpoints" / "step_00000003" / io.RESUME_FILE)
@@ -29,9 +31,9 @@ def test_mixed_precision_resumes_bit_identically_with_the_scalers_state(tmp_path
         assert "scaler" not in payload
 
 
-def test_a_float32_checkpoint_continues_in_float16_with_a_fresh_scaler(tmp_path, tiny, capsys):
-    assert launch.in_process(capsys, *tiny, "train.halt_at=3", f"out_dir={tmp_path}")[0] == 0
-    code, err = launch.in_process(capsys, *tiny, "train.steps=5", "train.dtype=float16", f"out_dir={tmp_path}")
+def test_a_float32_checkpoint_continues_in_float16_with_a_fresh_scaler(tmp_path, tiny):
+    assert launch.in_process(*tiny, "train.halt_at=3", f"out_dir={tmp_path}")[0] == 0
+    code, err = launch.in_process(*tiny, "train.steps=5", "train.dtype=float16", f"out_dir={tmp_path}")
     assert code == 0 and "no 'scaler' state in the resume file; it starts fresh" in err
 
 
@@ -52,8 +54,8 @@ def test_a_checkpoint_written_on_cuda_loads_on_a_cpu_only_machine(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_asking_for_cuda_without_one_is_a_config_error_not_a_traceback(tmp_path, tiny, capsys):
-    code, err = launch.in_process(capsys, *tiny, "runtime.device=cuda", f"out_dir={tmp_path}")
+def test_asking_for_cuda_without_one_is_a_config_error_not_a_traceback(tmp_path, tiny):
+    code, err = launch.in_process(*tiny, "runtime.device=cuda", f"out_dir={tmp_path}")
     assert code == 2 and "runtime.device=cuda but CUDA is not available" in err and "Traceback" not in err
 
 

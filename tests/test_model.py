@@ -5,6 +5,8 @@ import torch
 
 from model import MiniMindLM, ModelConfig
 
+pytestmark = pytest.mark.unit
+
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16)
 
 
@@ -64,10 +66,18 @@ def test_grouped_attention_equals_full_attention_with_repeated_key_value_weights
     assert torch.allclose(gqa(x)[0], mha(x)[0], atol=1e-6)
 
 
-def test_embedding_is_tied_to_the_output_head():
+def test_embedding_is_tied_to_the_output_head_and_counted_once():
     m = MiniMindLM(CFG)
-    assert m.output.weight is m.tok_embeddings.weight
-    assert m.num_parameters() == sum(p.numel() for p in m.parameters())
+    d, v, h, kv = CFG.dim, CFG.vocab_size, CFG.ffn_dim, CFG.n_kv_heads * (CFG.dim // CFG.n_heads)
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * h + 2 * d  # wq, wk+wv, wo, SwiGLU w1 w2 w3, two RMSNorms
+    assert m.num_parameters() == v * d + CFG.n_layers * per_layer + d  # one embedding matrix, the final norm
+    # Tied in training too: the head's gradient lands on the embedding's one tensor.
+    x = torch.randint(0, 256, (2, 16))
+    _, loss = m(x, x)
+    loss.backward()
+    head_only = torch.zeros(v, dtype=torch.bool)
+    head_only[torch.tensor(sorted(set(range(v)) - set(x.flatten().tolist())))] = True
+    assert m.tok_embeddings.weight.grad[head_only].abs().sum() > 0  # rows no input used: only the head touched them
 
 
 def test_dropout_is_off_by_default_and_draws_from_the_seeded_generator_when_on():

@@ -1,13 +1,18 @@
 """Preemption and crashes with real signals: SIGTERM, SIGKILL (mid-step and mid-save), a signal to one
 rank only, torchrun's elastic restarts, and a two-"node" launch. Every resumed run is compared with
 the uninterrupted reference, bit for bit."""
+import json
 import random
 import signal
 import socket
 
+import pytest
+
 import launch
 from checkpoint import EXIT_STOPPED
-from checkpoint.io import list_checkpoints, verify
+from checkpoint.storage import list_checkpoints, verify
+
+pytestmark = pytest.mark.e2e
 
 
 def assert_identical(out, ref):
@@ -17,7 +22,9 @@ def assert_identical(out, ref):
 
 def test_sigterm_mid_run_saves_at_the_step_the_ranks_agreed_on_and_the_resume_is_bit_identical(tmp_path, epochs, reference):
     out = tmp_path / "run"
-    proc = launch.start(launch.command(2, *epochs, f"out_dir={out}"), tmp_path / "log")
+    # A slow disk (every step saved, each file 0.1 s longer) keeps the run going long after the signal.
+    args = [*epochs, "checkpoint.interval=1", "checkpoint.keep=2", f"out_dir={out}"]
+    proc = launch.start(launch.command(2, *args, script=launch.SLOW_SAVE), tmp_path / "log", env={"SLOW_SAVE_S": "0.1"})
     launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 2, proc=proc)
     launch.kill_tree(proc.pid, signal.SIGTERM)  # the spot reclaim: every process gets it
     proc.wait(timeout=120)
@@ -25,21 +32,24 @@ def test_sigterm_mid_run_saves_at_the_step_the_ranks_agreed_on_and_the_resume_is
     stopped = launch.lines(out / "metrics.jsonl")
     assert 2 <= stopped < 20
     assert log.count(f"stopped on SIGTERM at step {stopped}: checkpoint published") == 2  # rank 0 and rank 1
-    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [stopped]  # interval=0: only the stop saved
-    launch.run(2, *epochs, f"out_dir={out}")
+    assert list_checkpoints(out / "checkpoints")[0][0] == stopped
+    launch.assert_same_as_reference_at(out, reference(2), stopped)
+    launch.run(2, *args)
     assert_identical(out, reference(2))
 
 
 def test_sigkill_at_a_random_step_resumes_from_the_last_interval_checkpoint_bit_identically(tmp_path, epochs, reference):
     out = tmp_path / "run"
     k = random.Random(2026).randint(4, 12)
-    proc = launch.start(launch.command(2, *epochs, "checkpoint.interval=3", f"out_dir={out}"), tmp_path / "log")
+    args = [*epochs, "checkpoint.interval=3", f"out_dir={out}"]
+    # A slow disk (each checkpoint file 0.3 s longer) stretches the run: the kill lands long before its end.
+    proc = launch.start(launch.command(2, *args, script=launch.SLOW_SAVE), tmp_path / "log", env={"SLOW_SAVE_S": "0.3"})
     launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= k, proc=proc)
     launch.kill_tree(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     newest = list_checkpoints(out / "checkpoints")[0][0]
     assert newest % 3 == 0 and newest < 20
-    resumed = launch.run(2, *epochs, "checkpoint.interval=3", f"out_dir={out}")
+    resumed = launch.run(2, *args)
     assert f"step {newest} resumes at sample" in resumed.stderr
     assert_identical(out, reference(2))
 
@@ -76,13 +86,32 @@ def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(tmp_path, e
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [stopped]
 
 
+def test_workers_whose_torchrun_agent_dies_stop_together_and_publish_their_checkpoint(tmp_path, epochs):
+    """An agent SIGKILLed (OOM killer, a lost node daemon) leaves its workers running in sessions of
+    their own: they must not train on unsupervised and race the next launch for out_dir."""
+    out = tmp_path / "run"
+    proc = launch.start(launch.command(2, *epochs, "train.steps=400", f"out_dir={out}"), tmp_path / "log")
+    launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 2, proc=proc)
+    ranks = launch.workers(proc.pid)
+    launch.os.kill(proc.pid, signal.SIGKILL)  # the agent only
+    proc.wait(timeout=30)
+    launch.wait_for(lambda: not any(launch.alive(p) for p in ranks), timeout=120)
+    stopped = launch.lines(out / "metrics.jsonl")
+    assert stopped < 400
+    log = (tmp_path / "log").read_text()
+    assert log.count(f"stopped on the exit of the torchrun agent at step {stopped}: checkpoint published") == 2
+    assert list_checkpoints(out / "checkpoints")[0][0] == stopped
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "stopped" and status["step"] == stopped and status["exit_code"] == EXIT_STOPPED
+
+
+@pytest.mark.unit
 def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_shared_store():
     """torch 2.13 shares one store across restart attempts; a restarted worker must not read the keys
     (peer addresses) the previous attempt's dead workers left there, and every rank of an attempt,
     on whichever node, must use the same fresh prefix."""
     import datetime
     import threading
-    import time
 
     import torch.distributed as dist
 
@@ -92,14 +121,14 @@ def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_s
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
 
-    def launch_ranks(world, late=()):
-        """Every rank of one attempt in a thread of its own, each with its own store client;
-        the ranks in `late` start half a second after the others."""
+    def launch_ranks(world, late=(), when=lambda: True):
+        """Every rank of one attempt in a thread of its own, each with its own store client; the
+        ranks in `late` start once `when()` holds (a state of the store, not a sleep)."""
         names = [None] * world
 
         def rank(r):
             if r in late:
-                time.sleep(0.5)
+                launch.wait_for(when, timeout=20, every=0.01)
             client = dist.TCPStore("127.0.0.1", server.port, world, is_master=False, timeout=timeout)
             names[r] = agree_on_attempt(client, r, world, timeout)
 
@@ -110,12 +139,19 @@ def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_s
             t.join(timeout=30)
         return names
 
+    def asked(r, other_than):
+        return server.check([f"attempt-ask/{r}"]) and server.get(f"attempt-ask/{r}").decode() != other_than
+
     first = launch_ranks(3)
     assert first[0] and first == [first[0]] * 3
-    server.set("attempt-ask/2", "a nonce of a rank SIGKILLed before it got its answer")
-    again = launch_ranks(3, late=(1, 2))  # rank 0 first, so it reads what the dead ranks left
+    dead = "a nonce of a rank SIGKILLed before it got its answer"
+    server.set("attempt-ask/2", dead)
+    # rank 0 first: the others start once it has answered what the dead rank left
+    again = launch_ranks(3, late=(1, 2), when=lambda: server.check([f"attempt-answer/{dead}"]))
     assert again[0] and again == [again[0]] * 3 and again[0] != first[0]
-    third = launch_ranks(3, late=(0,))  # ranks 1 and 2 first, so they find the earlier answers there
+    # ranks 1 and 2 first: rank 0 starts once both have asked anew, next to the earlier answers
+    before = {r: server.get(f"attempt-ask/{r}").decode() for r in (1, 2)}
+    third = launch_ranks(3, late=(0,), when=lambda: asked(1, before[1]) and asked(2, before[2]))
     assert third[0] and third == [third[0]] * 3 and third[0] not in (first[0], again[0])
 
     # through attempt_store, as train.py uses it: one attempt's keys are invisible to the next
@@ -126,13 +162,15 @@ def test_each_torchrun_restart_attempt_agrees_on_a_key_space_of_its_own_in_the_s
     assert attempt_store({}, 0, 1, timeout) is None
 
 
+@pytest.mark.elastic
 def test_torchrun_restarts_sigkilled_workers_and_they_resume_by_themselves(tmp_path, epochs, reference):
     out = tmp_path / "run"
-    cmd = launch.command(2, *epochs, "checkpoint.interval=4", f"out_dir={out}")
+    # A slow disk (each checkpoint file 0.2 s longer): the kill lands long before the run's end.
+    cmd = launch.command(2, *epochs, "checkpoint.interval=4", f"out_dir={out}", script=launch.SLOW_SAVE)
     # One restart and no spare: the first restart must connect (runtime.attempt_store; without it torch
     # 2.13's restarted workers could read the dead workers' addresses and hang or fail to connect).
     cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
-    proc = launch.start(cmd, tmp_path / "log")
+    proc = launch.start(cmd, tmp_path / "log", env={"SLOW_SAVE_S": "0.2"})
     launch.wait_for(lambda: (out / "checkpoints" / "step_00000008").exists(), proc=proc)
     launch.os.kill(launch.workers(proc.pid)[1], signal.SIGKILL)
     assert proc.wait(timeout=120) == 0
@@ -159,6 +197,7 @@ def start_node(tmp_path, node: int, port: int, out, *args: str, env: dict | None
     return launch.start([*cmd, f"out_dir={out}"], tmp_path / f"node{node}{tag}-{port}.log", env=env)
 
 
+@pytest.mark.elastic
 def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_rank_0_writing(tmp_path, epochs, reference):
     """Two "nodes" with torchrun's shared store (the default): a worker SIGKILLed on node 1 makes
     node 1 restart for the failure and, as a rule, node 0 for the membership change without counting
@@ -170,7 +209,8 @@ def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_
     def two_nodes(*extra):
         port = free_port()
         # node 1 is told another folder: it must write nothing there
-        return [start_node(tmp_path, node, port, out, "--max-restarts=1", "train.py", *epochs, *extra)
+        return [start_node(tmp_path, node, port, out, "--max-restarts=1", launch.SLOW_SAVE, *epochs, *extra,
+                           env={"SLOW_SAVE_S": "0.2"})  # a slow disk: the kill lands long before the end
                 for node, out in ((0, shared), (1, node1_dir))]
 
     procs = two_nodes("checkpoint.interval=4", "train.halt_at=14")
@@ -184,13 +224,15 @@ def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_
     assert_identical(shared, reference(2))
 
 
+@pytest.mark.elastic
 def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, epochs, reference):
     """A spot node taken away with its agent: the surviving node's torchrun restarts its worker, a
     replacement node joins the rendezvous, and both resume from the newest checkpoint. torch 2.13 does
     not announce its shared worker store to a node that joins later, so elastic jobs that replace
     nodes run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, "A node that is replaced")."""
     shared, port, env = tmp_path / "shared", free_port(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    args = ["--max-restarts=1", "train.py", *epochs, "checkpoint.interval=4"]
+    args = ["--max-restarts=1", launch.SLOW_SAVE, *epochs, "checkpoint.interval=4"]  # slow saves: the kill lands early
+    env["SLOW_SAVE_S"] = "0.2"
     # One out_dir for every node, as on a cluster: whichever node holds global rank 0 after the
     # new rendezvous writes there.
     survivor = start_node(tmp_path, 0, port, shared, *args, env=env)

@@ -6,8 +6,12 @@ boundaries. Every interrupted run is a sequence of real launches, each a new pro
 import json
 
 
+import pytest
+
 import launch
-from checkpoint.io import safe_load
+from checkpoint.storage import safe_load
+
+pytestmark = pytest.mark.e2e
 
 
 def segments(nproc_and_halts, epochs, out, *extra):
@@ -35,10 +39,12 @@ def test_one_process_halted_at_an_epoch_boundary_and_mid_epoch_resumes_bit_ident
 
 
 def test_two_processes_halted_twice_mid_epoch_resume_bit_identically(tmp_path, epochs, reference):
-    segments([(2, 5), (2, 11), (2, None)], epochs, tmp_path)
-    assert_identical(tmp_path, reference(2))
+    """Halted at 5, resumed and halted again at 11 (crossing the epoch boundary at 8): compared with
+    the reference's own step-11 checkpoint, with no need to run on to the end."""
+    segments([(2, 5), (2, 11)], epochs, tmp_path)
+    launch.assert_same_as_reference_at(tmp_path, reference(2), 11)
     steps = {c["step"] for c in launch.inspect(tmp_path)["checkpoints"]}
-    assert steps == {5, 11, 20}
+    assert steps == {5, 11}
 
 
 def test_dataloader_workers_prefetching_still_resume_into_that_epochs_order(tmp_path, epochs, reference):

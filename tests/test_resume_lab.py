@@ -2,7 +2,11 @@
 import json
 import subprocess
 
+import pytest
+
 import launch
+
+pytestmark = pytest.mark.e2e
 
 
 def test_the_lab_finds_the_exact_resume_at_zero_and_every_ablation_away_from_it(tmp_path, tiny):

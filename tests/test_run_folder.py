@@ -11,7 +11,9 @@ import subprocess
 import pytest
 
 import launch
-from checkpoint import io, runfolder
+from checkpoint import runfolder, storage as io
+
+pytestmark = pytest.mark.e2e
 
 
 def assert_identical(out, ref):
@@ -137,30 +139,30 @@ def test_sigterm_makes_scripts_train_sh_exit_75_and_running_it_again_ends_bit_id
     ("out_dir={file}", "out_dir: {file} is a regular file"),
 ])
 def test_a_resume_path_that_is_missing_or_a_file_and_an_out_dir_that_is_a_file_are_config_errors_before_anything_is_written(
-        tmp_path, tiny, capsys, setting, expected):
+        tmp_path, tiny, setting, expected):
     names = {"missing": tmp_path / "no-such-checkpoint", "file": tmp_path / "a-file"}
     names["file"].write_text("x")
     out = tmp_path / "run"
     args = [*tiny, f"out_dir={out}", setting.format(**names)]
-    code, err = launch.in_process(capsys, *args)
+    code, err = launch.in_process(*args)
     assert code == 2 and expected.format(**names) in err and "Traceback" not in err
     assert not out.exists() and "data:" not in err  # refused before data preparation and before out_dir
 
 
-def test_more_samples_than_the_corpus_holds_is_an_error_naming_the_key_and_the_count(tmp_path, tiny, capsys):
-    code, err = launch.in_process(capsys, *tiny, "data.num_samples=99999", f"out_dir={tmp_path}")
+def test_more_samples_than_the_corpus_holds_is_an_error_naming_the_key_and_the_count(tmp_path, tiny):
+    code, err = launch.in_process(*tiny, "data.num_samples=99999", f"out_dir={tmp_path}")
     assert code == 2 and "data.num_samples=99999, but the corpus packs into only" in err
 
 
-def test_a_text_line_with_a_lone_surrogate_is_an_error_naming_the_file_and_line(tmp_path, tiny, capsys):
+def test_a_text_line_with_a_lone_surrogate_is_an_error_naming_the_file_and_line(tmp_path, tiny):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n')
-    code, err = launch.in_process(capsys, *tiny, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    code, err = launch.in_process(*tiny, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
     assert code == 2 and f"{corpus}:2: the text holds a lone surrogate" in err
     assert not list((tmp_path / "cache").glob("*.bin")) and not list((tmp_path / "cache").glob(".*tmp*"))
 
 
-def test_a_packing_temp_file_left_by_a_killed_preparation_is_removed_at_the_next_start(tmp_path, corpus, capsys, tiny):
+def test_a_packing_temp_file_left_by_a_killed_preparation_is_removed_at_the_next_start(tmp_path, corpus, tiny):
     from data.prepare import pack
 
     cache = tmp_path / "cache"
@@ -174,9 +176,9 @@ def test_a_packing_temp_file_left_by_a_killed_preparation_is_removed_at_the_next
     assert not leftover.exists() and bin_path.exists()
 
 
-def test_a_resume_under_a_changed_optimizer_setting_warns_with_the_old_and_new_values(tmp_path, tiny, capsys):
-    assert launch.in_process(capsys, *tiny, "train.halt_at=2", f"out_dir={tmp_path}")[0] == 0
-    code, err = launch.in_process(capsys, *tiny, "train.halt_at=3", "train.lr=1e-3", "train.beta2=0.99", f"out_dir={tmp_path}")
+def test_a_resume_under_a_changed_optimizer_setting_warns_with_the_old_and_new_values(tmp_path, tiny):
+    assert launch.in_process(*tiny, "train.halt_at=2", f"out_dir={tmp_path}")[0] == 0
+    code, err = launch.in_process(*tiny, "train.halt_at=3", "train.lr=1e-3", "train.beta2=0.99", f"out_dir={tmp_path}")
     assert code == 0
     assert "train.lr was 0.003, now 0.001" in err and "train.beta2 was 0.95, now 0.99" in err
     assert "train.grad_clip was" not in err

@@ -4,6 +4,8 @@ from torch.utils.data import DistributedSampler
 
 from data import BatchPlan, BatchPlanError, BlockDistributedSampler, SkipBatchSampler, epoch_order
 
+pytestmark = pytest.mark.unit
+
 N, G, SEED = 1000, 24, 7
 
 

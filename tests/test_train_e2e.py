@@ -3,7 +3,11 @@ import json
 
 import yaml
 
+import pytest
+
 import launch
+
+pytestmark = pytest.mark.e2e
 
 
 def test_torchrun_on_two_processes_trains_twenty_steps_and_the_loss_falls(reference):

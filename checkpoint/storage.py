@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .runfolder import CHECKPOINTS
+
 RESUME_FILE = "resume.pth"
 WEIGHTS_FILE = "weights_fp16.pth"
 MANIFEST = "manifest.json"
@@ -179,7 +181,21 @@ def scan(root: Path, verify_all: bool = False) -> tuple[Path | None, list[tuple[
 
 def checkpoints_root(run: Path) -> Path:
     """The folder holding `step_*` checkpoints: `run/checkpoints` for a run folder, else `run`."""
-    return run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    return run / CHECKPOINTS if (run / CHECKPOINTS).is_dir() else run
+
+
+def find_checkpoint(path: Path, verify_all: bool = False) -> tuple[Path, dict, list[tuple[int, Path, str | None]]]:
+    """(folder, verified manifest, listing): `path` itself when it is a checkpoint folder (it must
+    verify), else the newest checkpoint of a run folder that verifies, with the checkpoints looked
+    at (all of them with `verify_all`). The one way the tools find a checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path, verify(path), []
+    root = checkpoints_root(path)
+    newest, listing = scan(root, verify_all)
+    if newest is None:
+        raise CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
+    return newest, read_manifest(newest), listing  # scan verified it
 
 
 def clear_temporaries(root: Path) -> list[Path]:

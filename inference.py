@@ -1,26 +1,14 @@
-"""For people who only want the model: the fp16 weights file, verified and loaded safely."""
+"""For people who only want the model: the fp16 weights file of a checkpoint, verified and loaded
+safely, and a sampler over it (`python -m checkpoint generate` uses both)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from checkpoint import storage as io
+from data import tokenizer
 from model import MiniMindLM, ModelConfig
-
-from . import io
-
-
-def find_checkpoint(path: Path) -> tuple[Path, dict]:
-    """(folder, verified manifest): `path` if it is a checkpoint folder (it must verify), else the
-    newest checkpoint of a run folder that verifies."""
-    path = Path(path)
-    if (path / io.MANIFEST).exists():
-        return path, io.verify(path)
-    root = io.checkpoints_root(path)
-    newest, _ = io.scan(root)
-    if newest is None:
-        raise io.CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
-    return newest, io.read_manifest(newest)  # scan verified it
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
@@ -29,7 +17,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     The folder is verified against its manifest first, the model's shape comes from the manifest's
     config, and the weights are read with `weights_only=True`: nothing in the files can run.
     """
-    folder, manifest = find_checkpoint(path)
+    folder, manifest, _ = io.find_checkpoint(path)
     try:
         cfg = ModelConfig(**manifest["config"]["model"])
     except (KeyError, TypeError, ValueError) as e:
@@ -45,8 +33,6 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
 @torch.no_grad()
 def generate(model: MiniMindLM, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, seed: int = 0) -> str:
     """Sample a continuation of `prompt` with the byte tokenizer (temperature 0: greedy)."""
-    from data import tokenizer
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([tokenizer.encode(prompt, bos=True)], dtype=torch.long)
     for _ in range(max_new_tokens):

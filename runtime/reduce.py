@@ -1,0 +1,100 @@
+"""The two gradient reductions (README, "Two reduction modes"): DDP, and the canonical sum that
+does not depend on the world size."""
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from .setup import Runtime
+
+
+class DDPReduce:
+    """dist.reduce=ddp: DistributedDataParallel, gradients all-reduced on the last micro-step only.
+
+    Bit-identical for the same world size; another world size sums in another order (close, not equal).
+    """
+
+    def __init__(self, model: torch.nn.Module, rt: Runtime, accum: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.rt, self.accum, self.model = rt, accum, model
+        self.net = model
+        if rt.distributed and rt.world_size > 1:
+            ids = [rt.device.index] if rt.device.type == "cuda" else None
+            # RoPE tables are constants: no need to sync buffers every forward (the keyword was
+            # renamed in torch 2.13; 2.4 knows only the old one).
+            params = inspect.signature(DDP.__init__).parameters
+            no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+            self.net = DDP(model, device_ids=ids, **no_buffer_sync)
+        self._loss = 0.0
+
+    def no_sync(self, j: int):
+        last = j == self.accum - 1
+        return self.net.no_sync() if (self.net is not self.model and not last) else nullcontext()
+
+    def backward(self, loss: torch.Tensor, j: int, scale=None) -> None:
+        scaled = loss / self.accum
+        (scale(scaled) if scale else scaled).backward()
+        self._loss = self._loss + scaled.detach()  # a tensor: no device sync per micro-batch
+
+    def reduce(self) -> float:
+        """Gradients are already averaged by DDP; return the step's loss averaged over ranks."""
+        local, self._loss = float(self._loss), 0.0
+        return self.rt.sum([local])[0] / self.rt.world_size
+
+
+class CanonicalReduce:
+    """dist.reduce=canonical: every micro-batch's gradient is kept apart, all-gathered, and summed by
+    every rank in the order i = 0..M-1 of the sampler plan, so the result does not depend on W.
+
+    Memory: a buffer of accum x (P + 1) floats per rank for its own micro-batches and
+    M x (P + 1) for the gathered ones (P = parameters; the extra float carries the loss).
+    """
+
+    def __init__(self, model: torch.nn.Module, rt: Runtime, accum: int) -> None:
+        self.rt, self.accum, self.model, self.net = rt, accum, model, model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.local = torch.zeros(accum, self.numel + 1, dtype=torch.float32, device=rt.device)
+        many = rt.distributed and rt.world_size > 1
+        self.gathered = torch.zeros(rt.world_size * accum if many else 0, self.numel + 1, dtype=torch.float32, device=rt.device)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return (self.local.numel() + self.gathered.numel()) * 4
+
+    def no_sync(self, j: int):
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor, j: int, scale=None) -> None:
+        (scale(loss) if scale else loss).backward()
+        row, offset = self.local[j], 0
+        for p in self.params:
+            n = p.numel()
+            row[offset : offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+            p.grad = None
+        row[self.numel] = loss.detach().float()
+
+    def reduce(self) -> float:
+        w = self.rt.world_size
+        if self.rt.distributed and w > 1:
+            # all_gather into views of one buffer (all_gather_into_tensor is deprecated in 2.13, absent in gloo on 2.4).
+            dist.all_gather(list(self.gathered.view(w, self.accum, -1).unbind(0)), self.local)
+            # Rank r's row j is micro-batch i = j * W + r: reorder rows to i = 0..M-1.
+            rows = self.gathered.view(w, self.accum, -1).transpose(0, 1).reshape(w * self.accum, -1)
+        else:
+            rows = self.local
+        total = rows[0].clone()
+        for i in range(1, rows.shape[0]):
+            total += rows[i]
+        total /= rows.shape[0]
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).clone()
+            offset += n
+        return float(total[self.numel])
