@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from . import rng, runfolder, storage
@@ -124,14 +125,19 @@ def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
     return obj
 
 
-def half_weights(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp16 copy for inference (MiniMind's convention); tied tensors stay one tensor."""
+def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = False) -> dict[str, torch.Tensor]:
+    """fp16 copy for inference (MiniMind's convention); tied tensors stay one tensor.
+    `single_thread`: convert fp32 CPU tensors with numpy (same rounding, no OpenMP team)."""
     seen: dict[tuple, torch.Tensor] = {}
     out = {}
     for k, v in model_state.items():
         key = _share_key(v)
         if key not in seen:
-            seen[key] = v.detach().to("cpu", torch.float16) if v.is_floating_point() else v.detach().cpu()
+            v = v.detach()
+            if single_thread and v.dtype == torch.float32 and v.device.type == "cpu":
+                seen[key] = torch.from_numpy(v.numpy().astype(np.float16))
+            else:
+                seen[key] = v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()
         out[k] = seen[key]
     return out
 
@@ -167,8 +173,9 @@ class CheckpointManager:
         self._error: BaseException | None = None
 
     # ---------------------------------------------------------------- load
-    def _choose(self) -> Path | None:
-        """Rank 0: the checkpoint to resume from, per checkpoint.resume."""
+    def _choose(self) -> tuple[Path, dict] | None:
+        """Rank 0: the checkpoint to resume from, per checkpoint.resume, with its resume file
+        (read once, verified; None: a fresh start)."""
         mode = self.cfg.resume
         if mode == "never":
             existing = storage.list_checkpoints(self.root)
@@ -184,36 +191,44 @@ class CheckpointManager:
                 raise storage.CheckpointMismatch(
                     f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, "
                     f"or use checkpoint.resume=auto with out_dir={mode}")
-            storage.verify(path)  # an explicit path must verify or the run fails
-            return path
-        newest, listing = storage.scan(self.root)
-        if newest is None and listing:
+            return path, storage.load_verified(path)[1]  # an explicit path must verify or the run fails
+        faults = []
+        for step, folder in storage.list_checkpoints(self.root, warn=True):
+            try:
+                payload = storage.load_verified(folder)[1]
+            except storage.CheckpointError as e:
+                faults.append((step, folder, str(e)))
+                continue
+            for bad, _, error in faults:  # newer than the one chosen: reported, never silently passed over
+                log.warning("skipping checkpoint step %d: %s", bad, error)
+            return folder, payload
+        if faults:
             # Checkpoints exist and none verifies: a fresh start would train over them. Stop (I13).
-            faults = "\n".join(f"  {folder}: {error}" for _, folder, error in listing)
+            listing = "\n".join(f"  {folder}: {error}" for _, folder, error in faults)
             raise storage.CheckpointError(
                 f"{self.root}: no checkpoint verifies, so this run cannot resume, and it will not start "
-                f"fresh over them (nothing was trained or deleted):\n{faults}\n"
+                f"fresh over them (nothing was trained or deleted):\n{listing}\n"
                 f"Ways on: checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir")
-        for step, _, error in listing:
-            if error:  # newer than the one chosen: reported, never silently passed over
-                log.warning("skipping checkpoint step %d: %s", step, error)
-        return newest
+        return None
 
     def load(self, states: dict[str, Stateful], optional: frozenset[str] = frozenset({"scaler"})) -> Resumed | None:
         """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start).
 
-        A state named in `optional` that the checkpoint lacks starts fresh with a warning (a
-        GradScaler when a float32 or bfloat16 run continues in float16); any other missing state
-        is an error."""
+        Every rank reads the resume file once and deserializes the bytes it verified. A state named
+        in `optional` that the checkpoint lacks starts fresh with a warning (a GradScaler when a
+        float32 or bfloat16 run continues in float16); any other missing state is an error."""
         t0 = time.monotonic()
         choice: Any = None
+        payload = None
         if self.comm.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             for p in storage.clear_temporaries(self.root):
                 log.info("removed %s, left by an interrupted save", p)
             try:
-                path = self._choose()
-                choice = {"path": str(path) if path else None}
+                chosen = self._choose()
+                if chosen:
+                    payload = chosen[1]
+                choice = {"path": str(chosen[0]) if chosen else None}
             except storage.CheckpointError as e:
                 choice = {"error": str(e), "mismatch": isinstance(e, storage.CheckpointMismatch)}
         choice = self.comm.broadcast(choice)
@@ -229,7 +244,8 @@ class CheckpointManager:
             self.owned.add(path)  # verified just now
         error = None
         try:
-            payload = storage.safe_load(path / storage.RESUME_FILE)
+            if payload is None:  # the other ranks read (and verify) it themselves
+                payload = storage.load_verified(path)[1]
             self._check_compatible(path, payload)
             for name, obj in states.items():
                 if name in payload:
@@ -292,42 +308,47 @@ class CheckpointManager:
             self._raise_failure()
         reason = "stopped" if stop_votes else end
         if reason or (self.cfg.interval and step % self.cfg.interval == 0):
-            self.save(step, states)
+            # The last save of a run is waited for anyway: written here, without the snapshot copy
+            # (an async snapshot would only add to the time from a stop signal to the checkpoint).
+            self.save(step, states, background=self.cfg.async_ and not reason)
         if reason:
             self.drain()
         return reason
 
-    def save(self, step: int, states: dict[str, Stateful]) -> None:
+    def save(self, step: int, states: dict[str, Stateful], background: bool | None = None) -> None:
         """Save at this optimizer-step boundary: called by every rank, rank 0 writes.
 
         Synchronous: returns once the checkpoint is published, and raises on every rank if it was
-        not. Asynchronous: returns after the snapshot; a failure surfaces at the next boundary.
+        not. In the background (checkpoint.async, unless `background` says otherwise): returns
+        after the snapshot; a failure surfaces at the next boundary.
         """
+        background = self.cfg.async_ if background is None else background
         t0 = time.monotonic()
         rng_states = self.comm.gather(rng.capture(self.comm.device))  # a collective: every rank
         failed = False
         if self.comm.is_main:
             self.wait()  # the previous async save, before a new one
-            pin = self.cfg.async_ and self.comm.device.type == "cuda"
+            pin = background and self.comm.device.type == "cuda"
             snapshot = {name: obj.state_dict() for name, obj in states.items()}
-            # The fp16 copy is made here, on the training thread, in both modes: a tensor op in the
-            # background thread would start a second OpenMP team that fights the training's for cores.
-            weights = half_weights(snapshot["model"])
-            if self.cfg.async_:
+            if background:
+                # The stall is this copy alone; the fp16 copy is made in the background from it,
+                # with numpy (one thread: a torch op there would start a second OpenMP team that
+                # fights the training's for the cores).
                 snapshot = _to_cpu_copy(snapshot, pin)
                 self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
-                self._pending = self._pool.submit(self._write, step, snapshot, weights, rng_states, t0)
+                self._pending = self._pool.submit(self._write, step, snapshot, None, rng_states, t0)
                 log.info("checkpoint step %d: snapshot taken in %.3fs, writing in the background", step, time.monotonic() - t0)
             else:
                 try:
-                    self._write(step, snapshot, weights, rng_states, t0)
+                    self._write(step, snapshot, half_weights(snapshot["model"]), rng_states, t0)
                 except storage.CheckpointError as e:
                     self._error, failed = e, True
-        if not self.cfg.async_ and self.comm.any(failed):
+        if not background and self.comm.any(failed):
             self._raise_failure()
 
-    def _write(self, step: int, snapshot: dict, weights: dict, rng_states: list, t0: float) -> None:
+    def _write(self, step: int, snapshot: dict, weights: dict | None, rng_states: list, t0: float) -> None:
         """Serialize, hash, fsync and publish (the part an async save does in the background)."""
+        weights = weights if weights is not None else half_weights(snapshot["model"], single_thread=True)
         record = self.meta.record()
         resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **record}
         files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights}

@@ -18,8 +18,8 @@ from checkpoint import storage  # noqa: E402
 _write_file = storage._write_file
 
 
-def _slow_write_file(path, obj):
-    entry = _write_file(path, obj)
+def _slow_write_file(path, obj, *rest):
+    entry = _write_file(path, obj, *rest)
     time.sleep(float(os.environ.get("SLOW_SAVE_S", "1")))
     return entry
 

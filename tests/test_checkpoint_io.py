@@ -2,6 +2,7 @@ import errno
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,3 +215,26 @@ def test_metrics_past_the_resumed_step_and_half_written_lines_are_dropped(tmp_pa
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
     assert truncate_metrics(path, 5) == 5
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_the_bytes_that_are_hashed_are_the_bytes_that_are_deserialized(tmp_path, monkeypatch):
+    folder = publish_step(tmp_path, 10, value=1.0)
+    opened, real_open, real_deserialize = [], open, io._deserialize
+
+    def counting_open(path, mode="r", *args, **kwargs):
+        opened.append((Path(path).name, mode))
+        return real_open(path, mode, *args, **kwargs)
+
+    def replaced_meanwhile(data, path, map_location):
+        # another process rewrites the file after it was read, before it is deserialized
+        torch.save({"w": torch.full((4,), 666.0)}, path)
+        return real_deserialize(data, path, map_location)
+
+    monkeypatch.setattr(io, "open", counting_open, raising=False)
+    monkeypatch.setattr(io, "_deserialize", replaced_meanwhile)
+    _, obj = io.load_verified(folder)
+    assert torch.equal(obj["w"], torch.ones(4))  # what was hashed, not what is on disk now
+    assert opened == [(io.RESUME_FILE, "rb")]  # read once: no second pass that could see other bytes
+    monkeypatch.setattr(io, "_deserialize", real_deserialize)
+    with pytest.raises(io.CheckpointError, match="does not match the manifest|the manifest says"):
+        io.load_verified(folder)  # the rewritten file is refused

@@ -124,23 +124,27 @@ def test_a_failed_async_save_surfaces_at_the_next_boundary_and_stops_the_run(tmp
         mgr.after_step(3, st, stop=False, end=None)
 
 
-def test_an_async_end_of_run_waits_for_the_write_before_returning(tmp_path, monkeypatch):
+def test_an_async_end_of_run_waits_for_the_pending_write_and_writes_its_own_before_returning(tmp_path, monkeypatch):
     import threading
 
     release, real = threading.Event(), io.publish
 
-    def slow(*args):
-        assert release.wait(10)
-        return real(*args)
+    def slow(root, step, *args):
+        if step == 1:
+            assert release.wait(10)
+        return real(root, step, *args)
 
     monkeypatch.setattr(io, "publish", slow)
-    mgr = manager(tmp_path, interval=0, **{"async_": True})
+    mgr = manager(tmp_path, interval=1, **{"async_": True})
+    st = states()
+    assert mgr.after_step(1, st, stop=False, end=None) is None  # step 1 is written in the background, held up
     timer = threading.Timer(0.3, release.set)
     timer.start()
-    assert mgr.after_step(1, states(), stop=False, end="finished") == "finished"
-    # Returned only after the background write: the checkpoint is there, complete.
-    assert release.is_set() and [s for s, _ in io.list_checkpoints(tmp_path / runfolder.CHECKPOINTS)] == [1]
-    io.verify(tmp_path / runfolder.CHECKPOINTS / "step_00000001")
+    assert mgr.after_step(2, st, stop=True, end=None) == "stopped"
+    # Returned only after both writes: the held-up one first, then the stop's own.
+    assert release.is_set() and [s for s, _ in io.list_checkpoints(tmp_path / runfolder.CHECKPOINTS)] == [2, 1]
+    for _, folder in io.list_checkpoints(tmp_path / runfolder.CHECKPOINTS):
+        io.verify(folder)
 
 
 def test_a_checkpoint_of_another_seed_or_corpus_is_refused_naming_each_and_a_changed_lr_warns(tmp_path, caplog):

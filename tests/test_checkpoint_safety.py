@@ -127,10 +127,10 @@ def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, shor
 def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, monkeypatch, async_save):
     real = io._write_file
 
-    def disk_full(path, obj):
+    def disk_full(path, obj, *rest):
         if "step_00000008" in str(path) and path.name == io.WEIGHTS_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, obj)
+        return real(path, obj, *rest)
 
     monkeypatch.setattr(io, "_write_file", disk_full)
     code, err = launch.in_process(*short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
