@@ -103,25 +103,34 @@ def _share_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None) -> Any:
+def _to_cpu_copy(obj: Any, pin: bool, memo: dict | None = None, spare: list | None = None) -> Any:
     """A deep copy with every tensor in (pinned) CPU memory: the snapshot an async save works from.
-    Tensors that share memory (tied embeddings) stay shared, so the file matches a sync save's."""
-    memo = {} if memo is None else memo
+    Tensors that share memory (tied embeddings) stay shared, so the file matches a sync save's.
+
+    `spare`: the previous snapshot's tensors, in the order this copy meets them (memo["order"]
+    collects them for the next one): a tensor of the same shape and dtype is copied into, so a
+    save does not pay for fresh memory (page faults) every time."""
+    memo = {"order": []} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         key = _share_key(obj)
         if key not in memo:
-            if pin:
-                memo[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True).copy_(obj.detach())
+            i, src = len(memo["order"]), obj.detach()
+            old = spare[i] if spare is not None and i < len(spare) else None
+            if old is not None and old.shape == src.shape and old.dtype == src.dtype and old.is_pinned() == pin:
+                memo[key] = old.copy_(src)
+            elif pin:
+                memo[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
             else:
-                memo[key] = obj.detach().to("cpu", copy=True)
+                memo[key] = src.to("cpu", copy=True)
+            memo["order"].append(memo[key])
         return memo[key]
     if isinstance(obj, dict):
-        out = type(obj)((k, _to_cpu_copy(v, pin, memo)) for k, v in obj.items())
+        out = type(obj)((k, _to_cpu_copy(v, pin, memo, spare)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):
             out._metadata = obj._metadata
         return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu_copy(v, pin, memo) for v in obj)
+        return type(obj)(_to_cpu_copy(v, pin, memo, spare) for v in obj)
     return obj
 
 
@@ -170,6 +179,8 @@ class CheckpointManager:
         self.owned: set[Path] = set()  # checkpoints this run verified or published: the only ones pruning may delete
         self._pool: ThreadPoolExecutor | None = None  # made at the first async save
         self._pending: Future | None = None
+        self._spare: list | None = None  # a finished snapshot's tensors, reused by the next one
+        self._snapshot_tensors: list | None = None  # the pending snapshot's
         self._error: BaseException | None = None
 
     # ---------------------------------------------------------------- load
@@ -334,7 +345,10 @@ class CheckpointManager:
                 # The stall is this copy alone; the fp16 copy is made in the background from it,
                 # with numpy (one thread: a torch op there would start a second OpenMP team that
                 # fights the training's for the cores).
-                snapshot = _to_cpu_copy(snapshot, pin)
+                memo: dict = {"order": []}
+                snapshot = _to_cpu_copy(snapshot, pin, memo, self._spare)
+                self._spare = None  # in use until this write is done; then its tensors are the spare ones
+                self._snapshot_tensors = memo["order"]
                 self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
                 self._pending = self._pool.submit(self._write, step, snapshot, None, rng_states, t0)
                 log.info("checkpoint step %d: snapshot taken in %.3fs, writing in the background", step, time.monotonic() - t0)
@@ -369,6 +383,7 @@ class CheckpointManager:
             except BaseException as e:  # surfaced through _failed() / _raise_failure(), never lost
                 self._error = e
             self._pending = None
+            self._spare, self._snapshot_tensors = self._snapshot_tensors, None  # written: free to copy into
 
     def _failed(self) -> bool:
         """Rank 0: did a background save fail? Non-blocking; `after_step` sums this over ranks."""
