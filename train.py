@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import runtime
+import tracking
 from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, Resumed, RunMeta, StopFlag,
                         model_sha256, new_run_id, runfolder)
 from checkpoint.stop import ignore_stop_signals
@@ -54,14 +55,18 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
-def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, dict]:
-    """Pack the corpus once per node (local rank 0), then every rank maps the same file."""
+def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, PackedDataset | None, dict]:
+    """Pack the corpus (and a validation file) once per node (local rank 0), then every rank maps
+    the same files. Returns the training set, the validation set (or None) and the fingerprint."""
     cache = Path(cfg.data.cache_dir)
     result = None
     if rt.local_rank == 0:
         try:
             bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
             result = {"bin": str(bin_path), "meta": meta}
+            if cfg.data.val_path:
+                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache), cfg.model.seq_len, cache)
+                result.update(val_bin=str(val_bin), val_meta=val_meta)
         except DataError as e:
             result = {"error": str(e)}
     # Everyone waits for the packer, and fails together if it failed.
@@ -70,9 +75,50 @@ def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, dict]
     if errors:
         raise DataError(errors[0])
     mine = result or next(r for r in results if r)  # ranks without a packer use rank 0's answer
-    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples)
-    fingerprint = {**mine["meta"], "num_samples": len(dataset)}
-    return dataset, fingerprint
+    held_out = cfg.data.val_samples
+    corpus = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples)
+    if held_out >= len(corpus):
+        raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {cfg.model.seq_len + 1} tokens")
+    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out)
+    val = None
+    if held_out:  # the tail: the same samples on every world size, never in a training batch
+        val = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out)
+    elif cfg.data.val_path:
+        val = PackedDataset(Path(mine["val_bin"]), cfg.model.seq_len)
+    fingerprint = {**mine["meta"], "num_samples": len(dataset), "val_samples": len(val) if val else 0,
+                   **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.data.val_path else {})}
+    return dataset, val, fingerprint
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
+    """The validation loss: the mean over the first eval.samples validation samples of each
+    sample's mean token loss. The samples are cut into blocks of train.micro_batch whatever the
+    world size, rank r computes blocks b = r (mod W), and every rank sums the per-sample losses in
+    sample order (float64): the same number on any world size and in both reduction modes, for the
+    same weights and thread count. No training randomness is drawn and no training state changes."""
+    val, m = run.val_dataset, cfg.train.micro_batch
+    n = min(cfg.eval.samples or len(val), len(val))
+    blocks = range(rt.rank, (n + m - 1) // m, rt.world_size)
+    autocast = torch.autocast(rt.device.type, dtype=DTYPES[cfg.train.dtype]) if cfg.train.dtype != "float32" else nullcontext()
+    mine: list[tuple[int, list[float]]] = []
+    was_training = run.model.training
+    run.model.eval()
+    with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+        for b in blocks:
+            pairs = [val[i] for i in range(b * m, min((b + 1) * m, n))]
+            x = torch.stack([p[0] for p in pairs]).to(rt.device)
+            y = torch.stack([p[1] for p in pairs]).to(rt.device)
+            with autocast:
+                logits, _ = run.model(x)
+            token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            mine.append((b, token_loss.view(len(pairs), -1).double().mean(1).tolist()))
+    run.model.train(was_training)
+    per_sample = [loss for _, losses in sorted(pair for part in rt.all_gather(mine) for pair in part) for loss in losses]
+    total = 0.0
+    for loss in per_sample:  # in sample order: the sum does not depend on who computed what
+        total += loss
+    return total / len(per_sample)
 
 
 @dataclass
@@ -138,6 +184,7 @@ class Run:
     """Everything a run is built from; `states` is what a checkpoint holds."""
 
     dataset: PackedDataset
+    val_dataset: PackedDataset | None
     plan: BatchPlan
     steps_per_epoch: int
     model: MiniMindLM
@@ -153,7 +200,7 @@ class Run:
 
 
 def build(cfg: Config, rt: runtime.Runtime) -> Run:
-    dataset, fingerprint = prepare_data(cfg, rt)
+    dataset, val_dataset, fingerprint = prepare_data(cfg, rt)
     plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
     spe = plan.steps_per_epoch(len(dataset))
     if spe == 0:
@@ -166,7 +213,7 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
                        f"config.model.{k}": f"model.{k}" for k in to_dict(cfg.model)}, MAY_CHANGE)
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
     entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)) if rt.is_main else float("nan")
-    run = Run(dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
+    run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
@@ -220,24 +267,32 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
 
 
 class Metrics:
-    """OUT/metrics.jsonl, one line per optimizer step, and the human lines: rank 0 only."""
+    """OUT/metrics.jsonl, one line per optimizer step, the tracker's curves and the human lines: rank 0 only."""
 
     def __init__(self, cfg: Config, rt: runtime.Runtime, run: Run, sampler: BlockDistributedSampler, start: int) -> None:
         self.cfg, self.run, self.sampler = cfg, run, sampler
         self.file = open(Path(cfg.out_dir) / runfolder.METRICS, "a") if rt.is_main else None
+        # Watching does not touch training (DESIGN.md I15): the tracker starts after the load, with
+        # the checkpoint's run id, and purges or rewinds what a killed run logged past it.
+        self.tracker = tracking.open_tracker(cfg.log.tracker, Path(cfg.out_dir), cfg.log.project, run.ckpt.meta.run_id,
+                                             start, to_dict(cfg)) if rt.is_main else tracking.Tracker()
         # The bar starts at the resumed step; on a terminal only (a log file gets the step lines).
         self.bar = tqdm(total=cfg.train.steps, initial=start, dynamic_ncols=True, mininterval=1.0,
                         disable=not (rt.is_main and cfg.log.progress and sys.stderr.isatty()))
         self.t0 = time.perf_counter()
         self.losses: list[float] = []
+        self.val_loss: tuple[int, float] | None = None
 
-    def step(self, state: TrainState, s: int, loss: float, lr: float, seconds: float) -> None:
+    def step(self, state: TrainState, s: int, loss: float, lr: float, seconds: float, val_loss: float | None) -> None:
         self.losses.append(loss)
+        if val_loss is not None:
+            self.val_loss = (state.step, val_loss)
         self.bar.update(1)
         if not self.file:
             return
         g, seq, step, epoch = self.run.plan.global_batch, self.cfg.model.seq_len, state.step, state.epoch
         rec = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": state.samples_seen,
+               **({"val_loss": val_loss} if val_loss is not None else {}),
                # timing fields: the only ones that differ between an interrupted run and the one that was not
                "tokens_per_s": round(g * seq / seconds, 1), "step_s": round(seconds, 5),
                "elapsed_s": round(time.perf_counter() - self.t0, 4)}
@@ -245,11 +300,14 @@ class Metrics:
             rec["sample_ids"] = self.sampler.step_indices(s)
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        self.tracker.log(step, {k: rec[k] for k in ("loss", "lr", "tokens_per_s", "val_loss") if k in rec})
         if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
-            log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s", step, self.cfg.train.steps, epoch, loss, lr, f"{rec['tokens_per_s']:,.0f}")
+            log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s%s", step, self.cfg.train.steps, epoch, loss, lr,
+                     f"{rec['tokens_per_s']:,.0f}", f" | val loss {val_loss:.4f}" if val_loss is not None else "")
 
     def close(self) -> None:
         self.bar.close()
+        self.tracker.close()
         if self.file:
             self.file.close()
 
@@ -280,15 +338,17 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
             group["lr"] = lr
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
+        seconds = time.perf_counter() - t0
         # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (I7).
         run.train_state.step, run.train_state.epoch, run.train_state.samples_seen = step, epoch, (s + 1) * run.plan.global_batch
-        metrics.step(run.train_state, s, loss, lr, time.perf_counter() - t0)
+        evaluating = cfg.eval.interval and (step % cfg.eval.interval == 0 or step == cfg.train.steps)
+        metrics.step(run.train_state, s, loss, lr, seconds, evaluate(cfg, rt, run) if evaluating else None)
         end = "halted" if step == cfg.train.halt_at else "finished" if step == cfg.train.steps else None
         reason = run.ckpt.after_step(step, run.states, stop.poll(), end)
         if reason:
             break
     metrics.close()
-    report(cfg, rt, stop, reason, step, metrics.losses, run.unigram_entropy)
+    report(cfg, rt, stop, reason, step, metrics, run.unigram_entropy)
     return reason or ("halted" if halted else "finished"), step
 
 
@@ -307,7 +367,8 @@ def log_position(resumed: Resumed, run: Run, epoch: int, first: int) -> None:
                     "continues from the saved position", t.epoch, t.samples_seen, t.step)
 
 
-def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, losses: list[float], entropy: float) -> None:
+def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None, step: int, metrics: Metrics, entropy: float) -> None:
+    losses = metrics.losses
     if reason == "stopped" and stop.poll():  # this rank was signalled: it knows when
         (log.info if rt.is_main else log.warning)(
             "stopped on %s at step %d: checkpoint published %.2fs after the signal; exit %d (resume me)",
@@ -316,8 +377,10 @@ def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None,
         log.info("stopped on a signal to another rank at step %d: checkpoint published; exit %d (resume me)", step, EXIT_STOPPED)
     elif rt.is_main and losses:
         tail = losses[-min(10, len(losses)):]
-        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (the corpus's unigram entropy: %.4f)",
-                 reason, step, losses[-1], len(tail), sum(tail) / len(tail), entropy)
+        val = metrics.val_loss
+        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (the corpus's unigram entropy: %.4f)%s",
+                 reason, step, losses[-1], len(tail), sum(tail) / len(tail), entropy,
+                 f"; validation loss {val[1]:.4f} at step {val[0]}" if val else "")
     elif rt.is_main:
         log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)
 

@@ -1,6 +1,8 @@
 """`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
 `python -m checkpoint compare RUN_A RUN_B`: are two runs bit-identical (weights and every logged loss)?
 `python -m checkpoint generate PATH --prompt "..."`: the fp16 weights, loaded safely, continuing a prompt.
+`python -m checkpoint plot RUN [RUN ...] --out FILE.png`: training and validation loss and the LR
+against the step, from each run's metrics.jsonl (needs matplotlib: requirements-extra.txt).
 `python -m checkpoint status RUN`: the run's state (running, stopped at step S, finished, halted,
 failed with its cause) and who holds the run folder; with --exit-code, exit with the run's code
 (the launch scripts use it, since torchrun's own exit status does not say "stopped, resume me").
@@ -124,6 +126,37 @@ def status(args: argparse.Namespace) -> int:
     return code if code in (0, 1, 2, 75) else 1
 
 
+def plot(runs: list[Path], out: Path) -> int:
+    """Loss (solid), validation loss (dots) and LR (below) against the optimizer step, one colour per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("error: plot needs matplotlib: pip install -r requirements-extra.txt", file=sys.stderr)
+        return 2
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for i, run in enumerate(runs):
+        rows = runfolder.read_metrics(run)
+        colour, name = f"C{i}", run.name
+        top.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=colour, label=f"{name} train")
+        val = [r for r in rows if "val_loss" in r]
+        if val:
+            top.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=colour, label=f"{name} validation")
+        bottom.plot([r["step"] for r in rows], [r["lr"] for r in rows], color=colour)
+    top.set_ylabel("loss (nats/token)")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("LR")
+    bottom.set_xlabel("optimizer step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=0)
+    pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
+    pl.add_argument("runs", type=Path, nargs="+")
+    pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
     st = sub.add_parser("status", help="print the run's state (status.json) and who holds the run folder")
     st.add_argument("run", type=Path)
     st.add_argument("--exit-code", action="store_true",
@@ -150,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.verb == "status":
             return status(args)
+        if args.verb == "plot":
+            return plot(args.runs, args.out)
         if args.verb == "generate":
             from inference import generate, load_model
 

@@ -77,10 +77,18 @@ class DataConfig:
     """Use only the first N packed samples (0: all)."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+    val_path: str = ""
+    """A held-out JSONL file for the validation loss, packed like the training data ('' : none)."""
+    val_samples: int = 0
+    """Hold out the last N packed samples (of the first data.num_samples, when set) for validation;
+    training never sees them. The same rule on every world size."""
 
     def __post_init__(self) -> None:
         _positive("data.num_samples", self.num_samples, zero_ok=True)
         _positive("data.num_workers", self.num_workers, zero_ok=True)
+        _positive("data.val_samples", self.val_samples, zero_ok=True)
+        if self.val_path and self.val_samples:
+            raise ConfigError("data.val_path and data.val_samples: give one validation set, not both")
 
 
 @dataclass
@@ -91,9 +99,26 @@ class LogConfig:
     """Print a line every N steps on rank 0 (metrics.jsonl gets every step)."""
     progress: bool = True
     """Show a tqdm bar on rank 0 (when stderr is a terminal)."""
+    tracker: str = "none"
+    """none | tensorboard (OUT/tensorboard/) | wandb (the run id is the checkpoint's run_id; WANDB_MODE=offline works)."""
+    project: str = "minimind-resume"
+    """The W&B project."""
 
     def __post_init__(self) -> None:
         _positive("log.every", self.every)
+        _choice("log.tracker", self.tracker, ("none", "tensorboard", "wandb"))
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Validation loss every N optimizer steps and at the last step (0: off). Needs data.val_path or data.val_samples."""
+    samples: int = 0
+    """Validation samples per evaluation, the first N of the set (0: all)."""
+
+    def __post_init__(self) -> None:
+        _positive("eval.interval", self.interval, zero_ok=True)
+        _positive("eval.samples", self.samples, zero_ok=True)
 
 
 @dataclass
@@ -109,8 +134,11 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.eval.interval and not (self.data.val_path or self.data.val_samples):
+            raise ConfigError("eval.interval: needs a validation set (data.val_path=FILE or data.val_samples=N)")
         if self.checkpoint.lock_timeout_s >= self.dist.timeout_s:
             raise ConfigError(f"checkpoint.lock_timeout_s={self.checkpoint.lock_timeout_s:g} must be below dist.timeout_s="
                               f"{self.dist.timeout_s} (the other ranks wait in a collective while rank 0 waits for the lock)")

@@ -9,17 +9,18 @@ from torch.utils.data import Dataset
 
 
 class PackedDataset(Dataset):
-    """Samples of `seq_len + 1` tokens; `num_samples` > 0 keeps only the first N."""
+    """Samples of `seq_len + 1` tokens; `num_samples` > 0 keeps only the first N, and `start` skips
+    the first samples (a held-out validation set is the tail of the file's first N)."""
 
-    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0) -> None:
-        self.bin_path, self.row = Path(bin_path), seq_len + 1
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0) -> None:
+        self.bin_path, self.row, self.start = Path(bin_path), seq_len + 1, start
         available = self.bin_path.stat().st_size // (2 * self.row)
         if num_samples > available:
             from .prepare import DataError
 
             raise DataError(f"data.num_samples={num_samples}, but the corpus packs into only {available} samples of "
                             f"{seq_len + 1} tokens ({self.bin_path}); use at most {available}, or 0 for all")
-        self.n = num_samples or available
+        self.n = (num_samples or available) - start
         self._data: np.ndarray | None = None
 
     def _rows(self) -> np.ndarray:
@@ -37,5 +38,5 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        row = torch.from_numpy(self._rows()[index].astype(np.int64))
+        row = torch.from_numpy(self._rows()[self.start + index].astype(np.int64))
         return row[:-1], row[1:]
