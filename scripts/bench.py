@@ -147,11 +147,8 @@ def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[
         mgr = CheckpointManager(CheckpointConfig(interval=1, keep=2, async_=async_), out, rt, meta)
         stalls, totals = [], []
         for _ in range(repeat):
-            s = next(step)
             t0 = time.perf_counter()
-            states["train"].step = s
-            mgr.save(s, states)
-            stalls.append(time.perf_counter() - t0)
+            stalls.append(timed_save(mgr, states, step)[1])
             mgr.wait()  # the background part, outside the stall
             totals.append(time.perf_counter() - t0)
         mgr.drain()
@@ -192,6 +189,15 @@ def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[
     return rows + io_rows, {"resume_bytes": resume_bytes, "sync_seconds": results["sync"], "sync_total": results["ours sync total"]}
 
 
+def timed_save(mgr: CheckpointManager, states: dict, step) -> tuple[int, float]:
+    """One save at the next step number: (step, seconds until save() returned)."""
+    s = next(step)
+    states["train"].step = s
+    t0 = time.perf_counter()
+    mgr.save(s, states)
+    return s, time.perf_counter() - t0
+
+
 def io_floor_rows(label: str, mgr_factory, states: dict, repeat: int, work: Path, step, model_cfg: ModelConfig) -> list[dict]:
     """Our checkpoint I/O against the hardware's floor, side by side and interleaved round by round:
     a sync save against a raw write of the same bytes, a verified load against a raw read + sha256
@@ -201,11 +207,8 @@ def io_floor_rows(label: str, mgr_factory, states: dict, repeat: int, work: Path
     save_t, raw_t, hash_t, load_t, read_t, stall_t, copy_t = [], [], [], [], [], [], []
     cache = ""
     for r in range(repeat):
-        s = next(step)
-        states["train"].step = s
-        t0 = time.perf_counter()
-        mgr.save(s, states)
-        save_t.append(time.perf_counter() - t0)
+        s, seconds = timed_save(mgr, states, step)
+        save_t.append(seconds)
         folder = out / runfolder.CHECKPOINTS / f"step_{s:08d}"
         files = sorted(p for p in folder.iterdir())
         contents = {p.name: p.read_bytes() for p in files}
@@ -230,11 +233,7 @@ def io_floor_rows(label: str, mgr_factory, states: dict, repeat: int, work: Path
     nbytes = sum(p.stat().st_size for p in files)
     amgr = mgr_factory(work / f"floor-async-{label}", True)
     for _ in range(repeat):
-        s = next(step)
-        states["train"].step = s
-        t0 = time.perf_counter()
-        amgr.save(s, states)
-        stall_t.append(time.perf_counter() - t0)
+        stall_t.append(timed_save(amgr, states, step)[1])
         amgr.wait()
     amgr.drain()
     med = statistics.median
