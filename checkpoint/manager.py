@@ -317,7 +317,8 @@ class CheckpointManager:
         stop_votes, save_failures = self.comm.sum([float(stop), float(self._failed())])
         if save_failures:
             self._raise_failure()
-        reason = "stopped" if stop_votes else end
+        # A stop signal at the run's last step (or its halt) changes nothing: that end is saved and said.
+        reason = end or ("stopped" if stop_votes else None)
         if reason or (self.cfg.interval and step % self.cfg.interval == 0):
             # The last save of a run is waited for anyway: written here, without the snapshot copy
             # (an async snapshot would only add to the time from a stop signal to the checkpoint).
