@@ -95,7 +95,6 @@ class Resumed:
     step: int
     world_size: int
     micro_batch: int
-    train: dict
 
 
 def _share_key(t: torch.Tensor) -> tuple:
@@ -284,7 +283,7 @@ class CheckpointManager:
             then, now = lookup(payload, dotted), lookup(self.meta.record(), dotted)
             if then is not None and then != now:
                 log.warning("%s was %s, now %s: %s", label, then, now, consequence)
-        return Resumed(path, step, payload["world_size"], payload["micro_batch"], dict(payload["train"]))
+        return Resumed(path, step, payload["world_size"], payload["micro_batch"])
 
     def _check_compatible(self, path: Path, payload: dict) -> None:
         """A resume whose checkpoint differs in a `must_match` path is an error naming each."""

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .stop import EXIT_STOPPED
+
 log = logging.getLogger("minimind")
 
 LOCK = ".lock"
@@ -32,7 +34,7 @@ CHECKPOINTS = "checkpoints"
 LAUNCH_ENV = "MINIMIND_LAUNCH_ID"
 """Set by the launch scripts: the status records it, so a script knows the status is its launch's."""
 
-EXIT_CODES = {"finished": 0, "halted": 0, "stopped": 75}
+EXIT_CODES = {"finished": 0, "halted": 0, "stopped": EXIT_STOPPED}
 """A run's exit code by its state; "failed" records its own (1: I/O, a damaged checkpoint, a bug;
 2: bad input or config). 75 (EX_TEMPFAIL, stop.EXIT_STOPPED) means: stopped on a signal with a
 published checkpoint, resume me."""
