@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         with lr_restarted_at(int(argv[1])):
             code = train.main(argv[2:])
         ignore_stop_signals()  # as train.py's own __main__ does
-        return code
+        train.exit_now(code)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "resume_lab")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (the world-size ablation uses nproc + 1)")
