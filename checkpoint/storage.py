@@ -325,19 +325,28 @@ def read_manifest(folder: Path) -> dict:
 
 def verify(folder: Path) -> dict:
     """The manifest of `folder` after checking every file's size and sha256 against it."""
+    body = _listed_files_present(folder)
+    for name, entry in body["files"].items():
+        sha = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            while block := f.read(1 << 22):
+                sha.update(block)
+        _check_sha(folder / name, sha.hexdigest(), entry)
+    return body
+
+
+def _listed_files_present(folder: Path) -> dict:
+    """The manifest of `folder` (not a link), once every file it lists is there with its size."""
     if folder.is_symlink():
         raise CheckpointError(f"{folder}: a symbolic link; checkpoints are never followed through links")
     body = read_manifest(folder)
     check_files(folder, body)
-    for name, entry in body["files"].items():
-        path = folder / name
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                sha.update(block)
-        if sha.hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{path}: sha256 {sha.hexdigest()[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
     return body
+
+
+def _check_sha(path: Path, sha: str, entry: dict) -> None:
+    if sha != entry["sha256"]:
+        raise CheckpointError(f"{path}: sha256 {sha[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
 
 
 def check_files(folder: Path, body: dict) -> None:
@@ -356,12 +365,9 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
     deserialized from the same buffer (in two threads at once), and the object is returned only if
     their sha256 is the manifest's. A file that changes after the check cannot be loaded unverified,
     because nothing is read from disk a second time. The other files' presence and sizes are checked."""
-    if folder.is_symlink():
-        raise CheckpointError(f"{folder}: a symbolic link; checkpoints are never followed through links")
-    body = read_manifest(folder)
+    body = _listed_files_present(folder)
     if name not in body["files"]:
         raise CheckpointError(f"{folder / MANIFEST}: does not list {name}")
-    check_files(folder, body)
     path, entry = folder / name, body["files"][name]
     try:
         with open(path, "rb") as f:
@@ -375,9 +381,7 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
         obj, error = _deserialize(data, path, map_location), None
     except CheckpointError as e:
         obj, error = None, e
-    sha = digest.result()
-    if sha != entry["sha256"]:  # checked first: a damaged file is "corrupted", whatever it unpickles to
-        raise CheckpointError(f"{path}: sha256 {sha[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
+    _check_sha(path, digest.result(), entry)  # first: a damaged file is "corrupted", whatever it unpickles to
     if error is not None:
         raise error
     return body, obj
