@@ -8,7 +8,18 @@ import torch
 
 from checkpoint import storage as io
 from data import tokenizer
-from model import MiniMindLM, ModelConfig
+from model import KVCache, MiniMindLM, ModelConfig
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer a checkpoint (or a run folder's newest) carries: its own tokenizer.json, read
+    verified, or the byte tokenizer when it has none."""
+    folder, manifest, _ = io.find_checkpoint(path)
+    files = {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
+    try:
+        return tokenizer.from_files(files, str(folder))
+    except tokenizer.TokenizerError as e:
+        raise io.CheckpointError(str(e)) from None
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
@@ -30,19 +41,64 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.to(device=device, dtype=dtype).eval()
 
 
+def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
+           repetition_penalty: float = 1.0, generator: torch.Generator | None = None) -> int:
+    """The next id from one position's logits (fp32, 1-D): repetition penalty on the ids in `seen`
+    (as Hugging Face: positive logits divided, negative multiplied), then greedy at temperature 0,
+    else temperature, top-k and top-p (nucleus) filtering and a draw from `generator`."""
+    logits = logits.clone()
+    if repetition_penalty != 1.0 and seen:
+        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+        picked = logits[idx]
+        logits[idx] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
+    if top_p < 1.0:
+        order = torch.argsort(logits, descending=True)
+        probs = torch.softmax(logits[order], -1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p (at least one id)
+        logits[order[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
+
+
 @torch.no_grad()
-def generate(model: MiniMindLM, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, seed: int = 0) -> str:
-    """Sample a continuation of `prompt` with the byte tokenizer (temperature 0: greedy)."""
+def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.8,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, eos: int | None = None,
+                 use_cache: bool = True, seed: int = 0) -> list[int]:
+    """`prompt` and up to `max_new_tokens` generated ids (default: up to model.seq_len positions),
+    ending early at `eos` (not included). With `use_cache`, each new id costs one position's forward
+    over the keys and values kept from before; without, the whole sequence is recomputed every time."""
+    limit = model.cfg.seq_len
+    if not prompt:
+        raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
+    max_new_tokens = limit - len(prompt) if max_new_tokens is None else max_new_tokens
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens need {len(prompt) + max_new_tokens} "
+                         f"positions, but the rotary tables cover model.seq_len={limit}: ask for at most "
+                         f"{max(0, limit - len(prompt))} new tokens")
+    device = model.tok_embeddings.weight.device
     g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([tokenizer.encode(prompt, bos=True)], dtype=torch.long)
+    out = list(prompt)
+    cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+    step = torch.tensor([out], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits, _ = model(ids[:, -model.cfg.seq_len:])
-        logits = logits[0, -1, : tokenizer.VOCAB_SIZE].float()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-        if nxt == tokenizer.EOS:
+        logits, _ = model(step, cache=cache) if use_cache else model(torch.tensor([out], dtype=torch.long, device=device))
+        nxt = sample(logits[0, -1].float(), out, temperature, top_k, top_p, repetition_penalty, g)
+        if nxt == eos:
             break
-        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return tokenizer.decode(ids[0].tolist()[1:])
+        out.append(nxt)
+        step = torch.tensor([[nxt]], dtype=torch.long, device=device)
+    return out
+
+
+def generate(model: MiniMindLM, prompt: str, max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0,
+             tok=None, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, use_cache: bool = True) -> str:
+    """Continue the text `prompt` with `tok` (default: bytes): BOS + prompt, then sampled ids until EOS
+    or `max_new_tokens`; returns the decoded text (prompt included)."""
+    tok = tok or tokenizer.ByteTokenizer()
+    ids = generate_ids(model, tok.encode(prompt, bos=True), max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                       tok.eos, use_cache, seed)
+    return tok.decode(ids[1:])

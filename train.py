@@ -27,13 +27,15 @@ from tqdm import tqdm
 
 import runtime
 import tracking
+import weights
 from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, Resumed, RunMeta, StopFlag,
                         model_sha256, new_run_id, runfolder)
 from checkpoint.stop import ignore_stop_signals
-from configs import Config, ConfigError, TrainConfig, describe, load_config, to_dict
+from configs import Config, ConfigError, TrainConfig, describe, load_config, load_tokenizer, to_dict
 from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
                   resolve_source, unigram_entropy)
 from model import MiniMindLM
+from model.formats import WeightsError
 
 log = logging.getLogger("minimind")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,17 +58,18 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
-def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, PackedDataset | None, dict]:
-    """Pack the corpus (and a validation file) once per node (local rank 0), then every rank maps
-    the same files. Returns the training set, the validation set (or None) and the fingerprint."""
+def prepare_data(cfg: Config, rt: runtime.Runtime, tok) -> tuple[PackedDataset, PackedDataset | None, dict]:
+    """Pack the corpus (and a validation file) with tokenizer `tok` once per node (local rank 0),
+    then every rank maps the same files. Returns the training set, the validation set (or None) and
+    the fingerprint."""
     cache = Path(cfg.data.cache_dir)
     result = None
     if rt.local_rank == 0:
         try:
-            bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
+            bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache, tok)
             result = {"bin": str(bin_path), "meta": meta}
             if cfg.data.val_path:
-                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache), cfg.model.seq_len, cache)
+                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache), cfg.model.seq_len, cache, tok)
                 result.update(val_bin=str(val_bin), val_meta=val_meta)
         except DataError as e:
             result = {"error": str(e)}
@@ -76,16 +79,16 @@ def prepare_data(cfg: Config, rt: runtime.Runtime) -> tuple[PackedDataset, Packe
     if errors:
         raise DataError(errors[0])
     mine = result or next(r for r in results if r)  # ranks without a packer use rank 0's answer
-    held_out = cfg.data.val_samples
-    corpus = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples)
+    held_out, dtype = cfg.data.val_samples, mine["meta"]["dtype"]
+    corpus = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {cfg.model.seq_len + 1} tokens")
-    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out)
+    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out, dtype=dtype)
     val = None
     if held_out:  # the tail: the same samples on every world size, never in a training batch
-        val = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out)
+        val = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out, dtype=dtype)
     elif cfg.data.val_path:
-        val = PackedDataset(Path(mine["val_bin"]), cfg.model.seq_len)
+        val = PackedDataset(Path(mine["val_bin"]), cfg.model.seq_len, dtype=dtype)
     fingerprint = {**mine["meta"], "num_samples": len(dataset), "val_samples": len(val) if val else 0,
                    **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.data.val_path else {})}
     return dataset, val, fingerprint
@@ -201,7 +204,8 @@ class Run:
 
 
 def build(cfg: Config, rt: runtime.Runtime) -> Run:
-    dataset, val_dataset, fingerprint = prepare_data(cfg, rt)
+    tok = load_tokenizer(cfg)
+    dataset, val_dataset, fingerprint = prepare_data(cfg, rt, tok)
     plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
     spe = plan.steps_per_epoch(len(dataset))
     if spe == 0:
@@ -211,9 +215,10 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     meta = RunMeta(rt.world_size, plan.global_batch, plan.micro_batch, plan.accum, rt.threads, cfg.dist.reduce,
                    to_dict(cfg), fingerprint, rt.broadcast(new_run_id()), MUST_MATCH | {
-                       f"config.model.{k}": f"model.{k}" for k in to_dict(cfg.model)}, MAY_CHANGE)
+                       # model.init_from is where a run began: a resume continues it whatever the key says now
+                       f"config.model.{k}": f"model.{k}" for k in to_dict(cfg.model) if k != "init_from"}, MAY_CHANGE, tok.files)
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
-    entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1)) if rt.is_main else float("nan")
+    entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1), dataset.dtype) if rt.is_main else float("nan")
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
@@ -317,8 +322,11 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     """The run, from build to the last save. Returns how it ended (finished, halted, stopped) and its step."""
     run = build(cfg, rt)
     resumed = run.ckpt.load(run.states)
+    start_from_weights(cfg, rt, run, resumed)
     if rt.is_main:  # after the load: a run that cannot resume leaves the folder as it found it
-        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        source = run.ckpt.meta.init_from
+        head = f"# model.init_from: {source['path']} (sha256 {source['sha256']}, {source['format']})\n" if source else ""
+        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(head + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     epoch, first = run.train_state.position(run.plan, run.steps_per_epoch)
     if resumed:
         log_position(resumed, run, epoch, first)
@@ -351,6 +359,33 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     metrics.close()
     report(cfg, rt, stop, reason, step, metrics, run.unigram_entropy)
     return reason or ("halted" if halted else "finished"), step
+
+
+def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resumed | None) -> None:
+    """model.init_from: a fresh run loads the weights (every rank reads and checks them; all fail
+    together); a resumed run has them in its checkpoint and its record of the source, and never
+    reads the source again."""
+    source = run.ckpt.meta.init_from
+    if resumed:
+        if source and rt.is_main:
+            log.info("the run began from %s (sha256 %s); resumed from its checkpoint, the source is not read again",
+                     source["path"], source["sha256"][:12])
+        return
+    if not cfg.model.init_from:
+        return
+    record, error = None, None
+    try:
+        record = weights.init_from(run.model, cfg.model.init_from)
+    except (WeightsError, CheckpointError) as e:
+        error = (type(e).__name__, str(e))
+    failed = [e for e in rt.all_gather(error) if e]
+    if failed:
+        kind, message = failed[0]
+        raise (WeightsError if kind == "WeightsError" else CheckpointError)(message)
+    run.ckpt.meta.init_from = record
+    if rt.is_main:
+        log.info("model.init_from: %s weights from %s (sha256 %s); optimizer, LR schedule and data start fresh",
+                 record["format"], record["path"], record["sha256"][:12])
 
 
 def log_position(resumed: Resumed, run: Run, epoch: int, first: int) -> None:
@@ -412,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             runfolder.write_status(lock.out_dir, state, step, code)
         clean = True
         return code
-    except (ConfigError, runtime.SetupError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError) as e:
+    except (ConfigError, runtime.SetupError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError, WeightsError) as e:
         if rt is None:  # logging is not set up yet
             print(f"error: {e}", file=sys.stderr)
         else:

@@ -1,6 +1,10 @@
 """`python -m checkpoint inspect PATH`: what a checkpoint holds, as JSON (reads with weights_only=True only).
 `python -m checkpoint compare RUN_A RUN_B`: are two runs bit-identical (weights and every logged loss)?
-`python -m checkpoint generate PATH --prompt "..."`: the fp16 weights, loaded safely, continuing a prompt.
+`python -m checkpoint generate PATH --prompt "..."`: the fp16 weights, loaded safely, continuing a prompt
+(KV cache, temperature, top-k, top-p, repetition penalty; stops at EOS or --tokens).
+`python -m checkpoint export PATH --format minimind|hf --out OUT`: the weights for MiniMind (an fp16
+state dict with MiniMind2's key names) or for Hugging Face (a Llama folder: config.json,
+model.safetensors, generation_config.json and the run's tokenizer files).
 `python -m checkpoint plot RUN [RUN ...] --out FILE.png`: training and validation loss and the LR
 against the step, from each run's metrics.jsonl (needs matplotlib: requirements-extra.txt).
 `python -m checkpoint status RUN`: the run's state (running, stopped at step S, finished, halted,
@@ -53,7 +57,7 @@ def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
         "parameters": sum(t.numel() for t in {t.untyped_storage().data_ptr(): t for t in payload["model"].values()}.values()),
         "optimizer_state_bytes": optimizer_bytes,
         "ranks_with_rng_state": len(payload.get("rng") or []),
-        "data_fingerprint": {k: payload["data_fingerprint"].get(k) for k in ("source", "source_sha256", "tokenizer", "seq_len", "num_samples")},
+        "data_fingerprint": {k: payload["data_fingerprint"].get(k) for k in ("source", "source_sha256", "tokenizer", "tokenizer_source", "vocab_size", "dtype", "seq_len", "num_samples")},
         "files": {name: entry["bytes"] for name, entry in manifest["files"].items()},
     }
 
@@ -169,9 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="load the fp16 weights (verified, weights_only) and continue a prompt")
     g.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
     g.add_argument("--prompt", default="Return the ")
-    g.add_argument("--tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--tokens", type=int, default=None, help="new tokens at most (default: up to model.seq_len positions)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest ids (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages ids already in the text")
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow; for checks)")
     g.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf)")
+    e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
+    e.add_argument("--format", required=True, choices=("minimind", "hf"))
+    e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf) to create")
     pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
     pl.add_argument("runs", type=Path, nargs="+")
     pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
@@ -189,9 +201,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "plot":
             return plot(args.runs, args.out)
         if args.verb == "generate":
-            from inference import generate, load_model
+            from inference import generate, load_model, load_tokenizer
 
-            print(generate(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed))
+            try:
+                print(generate(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
+                               args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
+            except ValueError as err:  # a request the model cannot serve (past its positions)
+                raise io.CheckpointError(f"generate: {err}") from None
+            return 0
+        if args.verb == "export":
+            from model.formats import WeightsError
+            from weights import export
+
+            try:
+                out = export(args.path, args.format, args.out)
+            except WeightsError as err:
+                raise io.CheckpointError(str(err)) from None
+            except OSError as err:
+                print(f"error: {err.filename or args.out}: {err.strerror}", file=sys.stderr)
+                return 1
+            print(f"wrote {out}")
             return 0
         if args.verb == "inspect":
             print(json.dumps(inspect_path(args.path), indent=1))

@@ -71,8 +71,16 @@ class RunMeta:
     run_id: str
     must_match: dict[str, str] = field(default_factory=dict)
     may_change: dict[str, tuple[str, str]] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Files every checkpoint carries as they are, beside the resume and weights files (the run's
+    tokenizer files, so that the checkpoint alone can encode and decode); names from storage.FILES."""
 
-    RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "config", "data_fingerprint", "run_id")
+    init_from: dict | None = None
+    """Where the run's first weights came from (path, sha256, format), when not from its seeded init;
+    carried from checkpoint to checkpoint."""
+
+    RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "config", "data_fingerprint", "run_id",
+                "init_from")
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in self.RECORDED}
@@ -275,6 +283,7 @@ class CheckpointManager:
             raise cls(message if error else f"rank {rank} could not load {path}: {message}")
 
         self.meta.run_id = payload.get("run_id", self.meta.run_id)
+        self.meta.init_from = payload.get("init_from")
         step = int(payload["train"]["step"])
         if self.comm.is_main:
             truncate_metrics(self.metrics_path, step)
@@ -291,7 +300,12 @@ class CheckpointManager:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
             raise storage.CheckpointError(f"{path / storage.RESUME_FILE}: not a resume file of this trainer (format {found!r})")
         ours = self.meta.record()
-        diffs = [f"{label} is {lookup(payload, dotted)} in the checkpoint, {lookup(ours, dotted)} in this run"
+
+        def said(tree: dict, dotted: str) -> str:  # a value, and where it came from when a "<path>_source" says so
+            source = lookup(tree, f"{dotted}_source")
+            return f"{lookup(tree, dotted)}{f' ({source})' if source else ''}"
+
+        diffs = [f"{label} is {said(payload, dotted)} in the checkpoint, {said(ours, dotted)} in this run"
                  for dotted, label in self.meta.must_match.items() if lookup(payload, dotted) != lookup(ours, dotted)]
         if diffs:
             raise storage.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
@@ -365,7 +379,7 @@ class CheckpointManager:
         weights = weights if weights is not None else half_weights(snapshot["model"], single_thread=True)
         record = self.meta.record()
         resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **record}
-        files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights}
+        files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights, **self.meta.files}
         manifest = {**snapshot["train"], **{k: v for k, v in record.items() if k != "data_fingerprint"},
                     "model_sha256": storage.model_sha256(snapshot["model"]), "created_unix": time.time()}
         final = storage.publish(self.root, step, files, manifest)

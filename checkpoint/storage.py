@@ -29,7 +29,9 @@ from .runfolder import CHECKPOINTS
 RESUME_FILE = "resume.pth"
 WEIGHTS_FILE = "weights_fp16.pth"
 MANIFEST = "manifest.json"
-FILES = frozenset({RESUME_FILE, WEIGHTS_FILE})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A run's tokenizer files, copied as they are into each checkpoint when the run has them."""
+FILES = frozenset({RESUME_FILE, WEIGHTS_FILE, *TOKENIZER_FILES})
 """The only names a manifest may list: a manifest never decides which files are opened."""
 FORMAT = 1
 log = logging.getLogger("minimind")
@@ -378,7 +380,7 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
         raise CheckpointError(f"{path}: {len(data)} bytes read, the manifest says {entry['bytes']} (changed while read)")
     digest = _helper.submit(lambda: hashlib.sha256(data).hexdigest())
     try:
-        obj, error = _deserialize(data, path, map_location), None
+        obj, error = deserialize(data, path, map_location), None
     except CheckpointError as e:
         obj, error = None, e
     _check_sha(path, digest.result(), entry)  # first: a damaged file is "corrupted", whatever it unpickles to
@@ -387,7 +389,21 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
     return body, obj
 
 
-def _deserialize(data: bytes, path: Path, map_location: Any) -> Any:
+def read_verified(folder: Path, name: str) -> bytes:
+    """The bytes of `folder/name`, read once and returned only if their sha256 is the manifest's."""
+    body = _listed_files_present(folder)
+    if name not in body["files"]:
+        raise CheckpointError(f"{folder / MANIFEST}: does not list {name}")
+    path = folder / name
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+    _check_sha(path, hashlib.sha256(data).hexdigest(), body["files"][name])
+    return data
+
+
+def deserialize(data: bytes, path: Path, map_location: Any) -> Any:
     import io as bytes_io  # the standard library's; this module is not called io
 
     try:

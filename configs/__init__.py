@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from checkpoint.config import CheckpointConfig
+from data import tokenizer as tokenizers
 from model.config import ModelConfig
 from runtime.setup import DistConfig, RuntimeConfig
 
@@ -71,6 +72,9 @@ class TrainConfig:
 class DataConfig:
     path: str = "stdlib"
     """A MiniMind pretrain JSONL file ({"text": ...} per line), or 'stdlib' for the built-in corpus."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes + BOS/EOS/PAD: 259 ids) or the path of a Hugging Face tokenizer.json (e.g. MiniMind's),
+    with its tokenizer_config.json beside it naming bos/eos/pad; model.vocab_size follows it."""
     cache_dir: str = "data/cache"
     """Where packed token files (and the built-in corpus) are kept."""
     num_samples: int = 0
@@ -251,7 +255,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     cli = parse_overrides(overrides or [])
     _build(Config, cli, "", "command line", construct=False)
-    return _build(Config, _merge(data, cli), "", "config")
+    merged = _merge(data, cli)
+    cfg = _build(Config, merged, "", "config")
+    # The model's vocabulary follows the tokenizer; a model.vocab_size that was given must agree.
+    tok = load_tokenizer(cfg)
+    given = (merged.get("model") or {}).get("vocab_size")
+    if given is not None and given != tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={given}, but data.tokenizer={cfg.data.tokenizer} has {tok.vocab_size} ids: "
+                          f"remove model.vocab_size (it follows the tokenizer) or make them equal")
+    cfg.model.vocab_size = tok.vocab_size
+    return cfg
+
+
+def load_tokenizer(cfg: Config):
+    """The tokenizer data.tokenizer names (a ConfigError naming the key when it cannot be used)."""
+    try:
+        return tokenizers.load(cfg.data.tokenizer)
+    except tokenizers.TokenizerError as e:
+        raise ConfigError(str(e) if str(e).startswith("data.tokenizer") else f"data.tokenizer: {e}") from None
 
 
 def describe() -> str:

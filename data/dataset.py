@@ -9,12 +9,12 @@ from torch.utils.data import Dataset
 
 
 class PackedDataset(Dataset):
-    """Samples of `seq_len + 1` tokens; `num_samples` > 0 keeps only the first N, and `start` skips
+    """Samples of `seq_len + 1` token ids (uint16 or uint32 in the file); `num_samples` > 0 keeps only the first N, and `start` skips
     the first samples (a held-out validation set is the tail of the file's first N)."""
 
-    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0) -> None:
-        self.bin_path, self.row, self.start = Path(bin_path), seq_len + 1, start
-        available = self.bin_path.stat().st_size // (2 * self.row)
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
+        self.bin_path, self.row, self.start, self.dtype = Path(bin_path), seq_len + 1, start, np.dtype(dtype)
+        available = self.bin_path.stat().st_size // (self.dtype.itemsize * self.row)
         if num_samples > available:
             from .prepare import DataError
 
@@ -26,7 +26,7 @@ class PackedDataset(Dataset):
     def _rows(self) -> np.ndarray:
         # Opened lazily so that DataLoader workers each map the file instead of pickling it.
         if self._data is None:
-            self._data = np.memmap(self.bin_path, dtype=np.uint16, mode="r").reshape(-1, self.row)
+            self._data = np.memmap(self.bin_path, dtype=self.dtype, mode="r").reshape(-1, self.row)
         return self._data
 
     def __getstate__(self) -> dict:

@@ -1,5 +1,5 @@
 """The MiniMind-style language model and its configuration."""
 from .config import ModelConfig
-from .model import MiniMindLM
+from .model import KVCache, MiniMindLM
 
-__all__ = ["ModelConfig", "MiniMindLM"]
+__all__ = ["KVCache", "ModelConfig", "MiniMindLM"]

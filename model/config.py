@@ -21,7 +21,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     """Key/value heads (grouped-query attention); n_heads must divide by it."""
     vocab_size: int = 259
-    """Token ids the embedding holds; at least the tokenizer's 259 (256 bytes + BOS/EOS/PAD)."""
+    """Token ids the embedding holds: the tokenizer's (set from data.tokenizer; the byte tokenizer has 259)."""
     seq_len: int = 128
     """Tokens per sample (the packed data is cut into seq_len + 1 tokens)."""
     hidden_dim: int = 0
@@ -34,6 +34,10 @@ class ModelConfig:
     """Rotary embedding base (MiniMind2 uses 1e6)."""
     dropout: float = 0.0
     """Dropout on attention weights, attention output and MLP output."""
+    init_from: str = ""
+    """Start a new run from these weights (fresh optimizer, LR schedule and data position): one of our checkpoint
+    or run folders, our fp16 weights file, a MiniMind2 state dict (.pth) or a Hugging Face Llama folder. Keys and
+    shapes must match model.*. A resume never reads it again ('' : the seeded random init)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -55,18 +55,25 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if cache is not None:  # generation: keys and values of the earlier positions come from the cache
+            start = cache.length
+            k, v = cache.append(k, v)
+            if t > 1 and start > 0:  # several new positions after cached ones: each sees the cache and its past
+                mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
         if self.n_kv_heads != self.n_heads:
             # Repeat rather than SDPA's enable_gqa so that torch 2.4 runs this too.
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None and q.shape[2] == k.shape[2] and q.shape[2] > 1,
         )
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(y))
@@ -92,9 +99,37 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LayerCache:
+    """One layer's keys and values of the positions generated so far, in tensors allocated once."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        self.k = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for generation, up to `max_len` positions (at most model.seq_len)."""
+
+    def __init__(self, model: "MiniMindLM", batch: int = 1, max_len: int | None = None) -> None:
+        cfg, p = model.cfg, model.tok_embeddings.weight
+        max_len = max_len or cfg.seq_len
+        self.layers = [LayerCache(batch, cfg.n_kv_heads, max_len, cfg.head_dim, p.dtype, p.device) for _ in range(cfg.n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
 
 
 class MiniMindLM(nn.Module):
@@ -130,15 +165,19 @@ class MiniMindLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (and the mean loss when `targets` are given). With a `cache` (generation), `tokens`
+        continue the positions already in it, and their keys and values are appended to it."""
         t = tokens.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        start = cache.length if cache is not None else 0
+        if start + t > self.cfg.seq_len:
+            raise ValueError(f"positions {start}..{start + t - 1} are past the {self.cfg.seq_len} positions the rotary "
+                             f"tables cover (model.seq_len={self.cfg.seq_len})")
+        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
         h = self.dropout(self.tok_embeddings(tokens))
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.layers[i] if cache is not None else None)
         logits = self.output(self.norm(h))
         loss = None
         if targets is not None:

@@ -37,7 +37,11 @@ from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSam
 from model import MiniMindLM, ModelConfig  # noqa: E402
 from runtime import Runtime  # noqa: E402
 
+MINIMIND_TOKENIZER = ROOT.parent / "shared" / "minimind" / "tokenizer.json"
 AIMS = {
+    "packing / batch encoder alone, MiniMind's tokenizer": (">=", 0.8),
+    "peak RSS packing 400 MB / 200 MB": ("<=", 1.1),
+    "generation, KV cache / recompute": (">=", 1.0),
     "async stall / sync stall": ("<=", 0.2),
     "sync save / raw write": (">=", 0.85),
     "verified load / raw read + sha256": ("<=", 1.3),
@@ -134,7 +138,8 @@ def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[
     """Stall of one save at a step boundary, five ways, on the same state."""
     model, opt = trained_states(mcfg)
     rt = Runtime()
-    cfg = load_config(None, [f"model.{k}={v}" for k, v in to_dict(mcfg).items()])
+    tok = [f"data.tokenizer={vocab_6400(work)}"] if mcfg.vocab_size == 6400 else []  # the vocabulary follows the tokenizer
+    cfg = load_config(None, [*(f"model.{k}={v}" for k, v in to_dict(mcfg).items() if k not in ("vocab_size", "init_from")), *tok])
     meta = RunMeta(1, 1, 1, 1, torch.get_num_threads(), "ddp", to_dict(cfg), {}, "bench")
     states = {"model": model, "optimizer": opt, "train": train.TrainState(step=1)}
     results: dict[str, float] = {}
@@ -262,7 +267,7 @@ def stop_rows(work: Path) -> list[dict]:
     found = {}
     for mode in ("false", "true"):
         out, log = work / f"stop-{mode}", work / f"stop-{mode}.log"
-        args = [sys.executable, "train.py", "--config", "configs/minimind2_small.yaml", "model.vocab_size=6400",
+        args = [sys.executable, "train.py", "--config", "configs/minimind2_small.yaml", f"data.tokenizer={vocab_6400(work)}",
                 "model.seq_len=64", "train.global_batch=2", "train.micro_batch=1", "train.dtype=float32",
                 "runtime.deterministic=false", "checkpoint.interval=0", f"checkpoint.async={mode}", "log.progress=false",
                 f"out_dir={out}"]
@@ -282,6 +287,139 @@ def stop_rows(work: Path) -> list[dict]:
     return [{"row": "stop signal to published checkpoint, 26M, 1 process", "what": "async / sync", "value": async_s / sync_s,
              "detail": f"{async_s:.2f} s async (exit {async_code}, step {async_step}) / {sync_s:.2f} s sync (exit {sync_code}, "
                        f"step {sync_step}): the rest of the step, then the save"}]
+
+
+def vocab_6400(work: Path) -> Path:
+    """MiniMind's tokenizer (6,400 ids), or, where it is absent, one of 6,400 ids trained here."""
+    if MINIMIND_TOKENIZER.is_file():
+        return MINIMIND_TOKENIZER
+    from data.tokenizer import train_bpe
+
+    out = work / "tokenizer-6400"
+    if not (out / "tokenizer.json").exists():
+        train_bpe([resolve_source("stdlib", ROOT / "data" / "cache")], 6400, out)
+    return out / "tokenizer.json"
+
+
+def mixed_corpus(path: Path, megabytes: int, tok_path: Path, seed: int = 0) -> None:
+    """A MiniMind-format JSONL of `megabytes` MB, lines alternating at random between Chinese and English:
+    English lines are the standard library's docstrings; Chinese lines are runs of the tokenizer's own
+    CJK vocabulary entries with Chinese punctuation (no Chinese corpus can be downloaded here)."""
+    import random
+    import re
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+    cjk = [w for w in (tok.decode([i]) for i in range(tok.get_vocab_size())) if re.fullmatch(r"[\u4e00-\u9fff]+", w)]
+    english = [json.loads(line)["text"] for line in open(resolve_source("stdlib", ROOT / "data" / "cache"), encoding="utf-8")]
+    rng = random.Random(seed)
+    chinese = ["".join(rng.choice(cjk) + (rng.choice("，。、；：！？") if rng.random() < 0.12 else "")
+                       for _ in range(rng.randint(20, 400))) for _ in range(20_000)]
+    pool = [json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in chinese + english]
+    pool = [line.encode() for line in pool]
+    weights = [1.0] * len(chinese) + [len(chinese) / len(english)] * len(english)  # half the lines each way
+    written, limit = 0, megabytes * 1_000_000
+    with open(path, "wb") as f:
+        while written < limit:
+            chunk = b"".join(rng.choices(pool, weights, k=4096))
+            f.write(chunk)
+            written += len(chunk)
+
+
+_PACK_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from data import pack, prepare
+from data import tokenizer as tokenizers
+mode, source, cache = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+tok = tokenizers.load(sys.argv[5])
+t0 = time.perf_counter()
+if mode == "pack":
+    _, meta = pack(source, 512, cache, tok)
+    n = meta["num_tokens"]
+elif mode == "encoder":  # the ceiling: the batch encoder alone, on the same batches held in memory
+    batches = [texts for texts, _ in prepare._batches(source, 4 << 20)]
+    t0 = time.perf_counter()
+    n = sum(len(e) for texts in batches for e in tok.tok.encode_batch_fast(texts, add_special_tokens=False))
+else:  # json: parsing every line, the floor of any packer
+    n = sum(len(texts) for texts, _ in prepare._batches(source, 4 << 20))
+seconds = time.perf_counter() - t0
+# VmHWM: this process image's peak RSS (ru_maxrss would carry the forking parent's peak over)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "n": n, "rss": hwm * 1024}))
+"""
+
+
+def _pack_child(mode: str, source: Path, cache: Path, tok: str) -> dict:
+    shutil.rmtree(cache, ignore_errors=True)
+    out = subprocess.run([sys.executable, "-c", _PACK_CHILD, str(ROOT), mode, str(source), str(cache), tok],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    if out.returncode != 0:
+        raise SystemExit(f"bench: packing child ({mode}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def packing_rows(work: Path, megabytes: int) -> list[dict]:
+    """Corpus preparation at scale, each figure from a fresh process: packing with MiniMind's
+    tokenizer against its batch encoder alone on the same text in memory; peak RSS of packing a
+    corpus and one twice its size; the byte tokenizer's packing against parsing the JSON alone."""
+    tok = vocab_6400(work)
+    small, big = work / f"mixed-{megabytes}.jsonl", work / f"mixed-{2 * megabytes}.jsonl"
+    mixed_corpus(big, 2 * megabytes, tok)
+    with open(big, "rb") as src, open(small, "wb") as dst:  # the first half (whole lines)
+        dst.write(src.read(megabytes * 1_000_000))
+        dst.write(src.readline())
+    mb = small.stat().st_size / 1e6
+    ours = _pack_child("pack", small, work / "pc", str(tok))
+    ceiling = _pack_child("encoder", small, work / "pc", str(tok))
+    twice = _pack_child("pack", big, work / "pc", str(tok))
+    by_bytes = _pack_child("pack", small, work / "pc", "bytes")
+    parse = _pack_child("json", small, work / "pc", "bytes")
+    shutil.rmtree(work / "pc", ignore_errors=True)
+    name = "MiniMind's tokenizer" if tok == MINIMIND_TOKENIZER else "a 6,400-id tokenizer trained here"
+    return [
+        {"row": f"packing {mb:.0f} MB of mixed Chinese/English JSONL, {name}", "what": "packing / batch encoder alone",
+         "value": ceiling["seconds"] / ours["seconds"],
+         "detail": f"{mb / ours['seconds']:.1f} MB/s packed (parse, encode, write, fsync) / {mb / ceiling['seconds']:.1f} MB/s "
+                   f"encoder alone on the text in memory; {ours['n'] / 1e6:.0f}M tokens",
+         "aim": "packing / batch encoder alone, MiniMind's tokenizer"},
+        {"row": f"peak RSS of packing, {2 * megabytes} MB vs {megabytes} MB corpus", "what": "RSS ratio",
+         "value": twice["rss"] / ours["rss"],
+         "detail": f"{twice['rss'] / 2**20:.0f} MiB / {ours['rss'] / 2**20:.0f} MiB (whole process)", "aim": "peak RSS packing 400 MB / 200 MB"},
+        {"row": f"packing {mb:.0f} MB with the byte tokenizer", "what": "packing / JSON parsing alone",
+         "value": parse["seconds"] / by_bytes["seconds"],
+         "detail": f"{mb / by_bytes['seconds']:.0f} MB/s packed / {mb / parse['seconds']:.0f} MB/s parsing the JSON lines"},
+    ]
+
+
+def generation_rows(new_tokens: int = 256) -> list[dict]:
+    """Tokens per second generating `new_tokens` greedily after a 4-token prompt, with the KV cache
+    against recomputing the whole sequence per token (inference.generate_ids), tiny and 26M shapes
+    (random weights, seq_len 512 so that every position is covered; EOS ignored)."""
+    from inference import generate_ids
+
+    rows = []
+    tiny = load_config(ROOT / "configs" / "tiny.yaml").model
+    shapes = {"tiny": ModelConfig(dim=tiny.dim, n_layers=tiny.n_layers, n_heads=tiny.n_heads, n_kv_heads=tiny.n_kv_heads, seq_len=512),
+              "26M": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, vocab_size=6400, seq_len=512)}
+    for label, mcfg in shapes.items():
+        torch.manual_seed(0)
+        model = MiniMindLM(mcfg).eval()
+        prompt = [1, 2, 3, 4]
+        seconds, tokens = {}, {}
+        for cached in (True, False):
+            t0 = time.perf_counter()
+            tokens[cached] = generate_ids(model, prompt, new_tokens, temperature=0.0, eos=None, use_cache=cached)
+            seconds[cached] = time.perf_counter() - t0
+        same = tokens[True] == tokens[False]
+        rows.append({"row": f"generation, {label}, {new_tokens} new tokens, 1 process", "what": "KV cache / recompute (tokens/s)",
+                     "value": seconds[False] / seconds[True],
+                     "detail": f"{new_tokens / seconds[True]:.0f} tok/s cached / {new_tokens / seconds[False]:.0f} tok/s recomputed; "
+                               f"greedy tokens {'identical' if same else 'DIFFER'}",
+                     "aim": "generation, KV cache / recompute"})
+    return rows
 
 
 def run_train(args: list[str], log: Path) -> list[dict]:
@@ -416,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--only", choices=("packing", "generation", "throughput"), help="run only these rows")
+    parser.add_argument("--corpus-mb", type=int, default=200, help="size of the packing rows' generated corpus (and twice it)")
     a = parser.parse_args(argv)
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=ROOT / "runs" if (ROOT / "runs").exists() else None))
@@ -425,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     rows: list[dict] = []
     try:
+        if a.only:
+            rows += {"packing": lambda: packing_rows(work, a.corpus_mb), "generation": generation_rows,
+                     "throughput": lambda: throughput_rows(40 if a.quick else 80, 1 if a.quick else 2, work)}[a.only]()
+            return report(rows, a, t0)
         rows += resume_rows(10_000_000)  # first: its peak-RSS figure needs a process that has not peaked yet
         repeat = 3 if a.quick else 5
         tiny = load_config(ROOT / "configs" / "tiny.yaml").model
@@ -439,15 +583,21 @@ def main(argv: list[str] | None = None) -> int:
         rows += loop_rows(15 if a.quick else 30, work)
         dist.destroy_process_group()
         rows += reduce_rows(15 if a.quick else 30, work)
+        rows += packing_rows(work, 50 if a.quick else a.corpus_mb)
+        rows += generation_rows(64 if a.quick else 256)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
+    return report(rows, a, t0)
+
+
+def report(rows: list[dict], a: argparse.Namespace, t0: float) -> int:
     for row in rows:
         aim = AIMS.get(row.get("aim") or "")
         row["aim"] = f"{aim[0]} {aim[1]}" if aim else ""
         row["meets_aim"] = (row["value"] <= aim[1] if aim[0] == "<=" else row["value"] >= aim[1]) if aim else None
-    print(f"bench ({'quick' if a.quick else 'full'}, {time.time() - t0:.0f} s, torch {torch.__version__}, {os.cpu_count()} cores)\n")
+    print(f"bench ({a.only or ('quick' if a.quick else 'full')}, {time.time() - t0:.0f} s, torch {torch.__version__}, {os.cpu_count()} cores)\n")
     print("| measured | ratio | value | aim | figures |")
     print("|---|---|---|---|---|")
     for row in rows:

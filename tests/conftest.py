@@ -87,3 +87,19 @@ def reference(tmp_path_factory, epochs):
         return made[key]
 
     return get
+
+
+def train_cli(*args: str):
+    """`python -m data.tokenizer train ...`, as users run it."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "data.tokenizer", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, corpus) -> Path:
+    """A 400-id byte-level BPE trained on the test corpus by the command users run: its folder's tokenizer.json."""
+    out = tmp_path_factory.mktemp("tok") / "a"
+    proc = train_cli("--vocab-size", "400", "--out", str(out), str(corpus))
+    assert proc.returncode == 0, proc.stderr
+    return out / "tokenizer.json"

@@ -219,7 +219,7 @@ def test_metrics_past_the_resumed_step_and_half_written_lines_are_dropped(tmp_pa
 
 def test_the_bytes_that_are_hashed_are_the_bytes_that_are_deserialized(tmp_path, monkeypatch):
     folder = publish_step(tmp_path, 10, value=1.0)
-    opened, real_open, real_deserialize = [], open, io._deserialize
+    opened, real_open, real_deserialize = [], open, io.deserialize
 
     def counting_open(path, mode="r", *args, **kwargs):
         opened.append((Path(path).name, mode))
@@ -231,10 +231,10 @@ def test_the_bytes_that_are_hashed_are_the_bytes_that_are_deserialized(tmp_path,
         return real_deserialize(data, path, map_location)
 
     monkeypatch.setattr(io, "open", counting_open, raising=False)
-    monkeypatch.setattr(io, "_deserialize", replaced_meanwhile)
+    monkeypatch.setattr(io, "deserialize", replaced_meanwhile)
     _, obj = io.load_verified(folder)
     assert torch.equal(obj["w"], torch.ones(4))  # what was hashed, not what is on disk now
     assert opened == [(io.RESUME_FILE, "rb")]  # read once: no second pass that could see other bytes
-    monkeypatch.setattr(io, "_deserialize", real_deserialize)
+    monkeypatch.setattr(io, "deserialize", real_deserialize)
     with pytest.raises(io.CheckpointError, match="does not match the manifest|the manifest says"):
         io.load_verified(folder)  # the rewritten file is refused

@@ -1,0 +1,190 @@
+"""Tokenizers: the built-in byte tokenizer, or a Hugging Face `tokenizers` file (`tokenizer.json`).
+
+`data.tokenizer: bytes` (the default) maps text to its UTF-8 bytes (ids 0-255), then BOS, EOS and
+PAD (256-258). `data.tokenizer: PATH/tokenizer.json` (MiniMind's, or one trained with
+`python -m data.tokenizer train`) is used as it is: its BOS, EOS and PAD tokens are read from the
+`tokenizer_config.json` beside it (`bos_token`, `eos_token`, `pad_token`, as Hugging Face keeps
+them), never guessed. A tokenizer's `name` is its identity in the data fingerprint: "bytes-v1", or
+the sha256 of the file and the three special ids, so a different file or a different reading of it
+is a different corpus.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+BYTES = "bytes"
+"""`data.tokenizer` value of the built-in byte tokenizer."""
+BOS, EOS, PAD = 256, 257, 258
+VOCAB_SIZE = 259
+NAME = "bytes-v1"  # recorded in the data fingerprint; change it when the mapping changes
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""MiniMind's special tokens (pad, bos, eos), ids 0-2 of a tokenizer trained here."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file and what was expected."""
+
+
+def encode(text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    """Byte-tokenizer ids of `text`, optionally framed by BOS/EOS."""
+    ids = list(text.encode("utf-8"))
+    return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
+
+
+def decode(ids: list[int]) -> str:
+    """Text of byte-tokenizer `ids`; special tokens are dropped and broken UTF-8 is replaced, never raised."""
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The packed file's id type: uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def frame(flat: np.ndarray, lengths: list[int], bos: int, eos: int, dtype) -> np.ndarray:
+    """The documents laid end to end in `flat` (their `lengths`), each framed by BOS and EOS."""
+    n = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(n + 2) - (n + 2)  # where each document's BOS goes
+    out = np.empty(int(n.sum()) + 2 * len(n), dtype=dtype)
+    body = np.ones(len(out), dtype=bool)
+    body[starts] = body[starts + n + 1] = False
+    out[starts], out[starts + n + 1] = bos, eos
+    out[body] = flat
+    return out
+
+
+class ByteTokenizer:
+    """The built-in tokenizer: nothing to download, 259 ids."""
+
+    name, vocab_size, bos, eos, pad = NAME, VOCAB_SIZE, BOS, EOS, PAD
+    files: dict[str, bytes] = {}
+    """What a checkpoint carries to rebuild this tokenizer: nothing."""
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        return encode(text, bos, eos)
+
+    def decode(self, ids: list[int]) -> str:
+        return decode(ids)
+
+    def pack_batch(self, texts: list[str]) -> np.ndarray:
+        """BOS + ids + EOS of every text, concatenated (uint16), without a Python loop per byte."""
+        encoded = [t.encode("utf-8") for t in texts]
+        return frame(np.frombuffer(b"".join(encoded), dtype=np.uint8), list(map(len, encoded)), BOS, EOS, np.uint16)
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizers` file with its special tokens from `tokenizer_config.json`."""
+
+    def __init__(self, tokenizer_json: bytes, config_json: bytes | None, source: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.source = source
+        try:
+            self.tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        except Exception as e:  # the library raises a bare Exception on a malformed file
+            raise TokenizerError(f"{source}: not a Hugging Face tokenizers file ({type(e).__name__}: {e})") from None
+        config_name = str(Path(source).with_name(CONFIG_FILE))
+        if config_json is None:
+            raise TokenizerError(f"{config_name}: missing; it names the tokenizer's bos_token, eos_token and pad_token "
+                                 f"(Hugging Face's layout: tokenizer.json and tokenizer_config.json side by side)")
+        try:
+            config = json.loads(config_json)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{config_name}: does not parse ({e})") from None
+        ids = {}
+        for role in ("bos", "eos", "pad"):
+            token = config.get(f"{role}_token") if isinstance(config, dict) else None
+            if isinstance(token, dict):  # the older AddedToken form {"content": ...}
+                token = token.get("content")
+            if not isinstance(token, str):
+                example = dict(zip(("pad", "bos", "eos"), SPECIALS))[role]
+                raise TokenizerError(f"{config_name}: no {role}_token (expected the token's text, e.g. \"{example}\")")
+            ids[role] = self.tok.token_to_id(token)
+            if ids[role] is None:
+                raise TokenizerError(f"{config_name}: {role}_token {token!r} is not a token of {source}")
+        self.bos, self.eos, self.pad = ids["bos"], ids["eos"], ids["pad"]
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.sha256 = hashlib.sha256(tokenizer_json).hexdigest()
+        self.name = f"sha256:{self.sha256} bos={self.bos} eos={self.eos} pad={self.pad}"
+        self.files = {TOKENIZER_FILE: tokenizer_json, CONFIG_FILE: config_json}
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos] if bos else []) + ids + ([self.eos] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def pack_batch(self, texts: list[str]) -> np.ndarray:
+        """BOS + ids + EOS of every text, concatenated, encoded by the library's parallel batch encoder."""
+        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = [len(e) for e in encodings]
+        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=sum(lengths))
+        return frame(flat, lengths, self.bos, self.eos, id_dtype(self.vocab_size))
+
+
+def load(spec: str) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer `data.tokenizer` names: "bytes", or the path of a tokenizer.json file (or of
+    the folder holding it)."""
+    if spec == BYTES:
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise TokenizerError(f"data.tokenizer: {spec} is not a file (expected '{BYTES}' or the path of a Hugging Face "
+                             f"tokenizer.json, e.g. MiniMind's)")
+    try:
+        data = path.read_bytes()
+        config = path.with_name(CONFIG_FILE)
+        config_data = config.read_bytes() if config.is_file() else None
+    except OSError as e:
+        raise TokenizerError(f"data.tokenizer: {path} cannot be read ({e.strerror})") from None
+    return FileTokenizer(data, config_data, str(path.resolve()))
+
+
+def from_files(files: dict[str, bytes], source: str) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer a checkpoint carries (`files`: its tokenizer files' bytes; none: bytes)."""
+    if TOKENIZER_FILE not in files:
+        return ByteTokenizer()
+    return FileTokenizer(files[TOKENIZER_FILE], files.get(CONFIG_FILE), f"{source}/{TOKENIZER_FILE}")
+
+
+def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency: int = 2) -> Path:
+    """Train a byte-level BPE on the "text" of JSONL `corpora` (MiniMind's recipe: ByteLevel
+    pre-tokenizer and decoder, MiniMind's special tokens first), write `out_dir/tokenizer.json`
+    and its `tokenizer_config.json`. Deterministic: the same corpora and arguments give the same bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ..prepare import _iter_documents  # the corpus reader with its file:line errors
+
+    if vocab_size < 256 + len(SPECIALS):
+        raise TokenizerError(f"--vocab-size {vocab_size}: must be at least {256 + len(SPECIALS)} (the 256 byte symbols "
+                             f"and the {len(SPECIALS)} special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+
+    def texts():
+        for corpus in corpora:
+            yield from _iter_documents(corpus)
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / TOKENIZER_FILE
+    path.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    pad, bos, eos = SPECIALS
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
+              "unk_token": pad, "add_bos_token": False, "add_eos_token": False, "model_max_length": 32768,
+              "clean_up_tokenization_spaces": False}
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return path

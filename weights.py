@@ -1,0 +1,153 @@
+"""Weights in and out: start a run from existing weights (`model.init_from`), and export a
+checkpoint for MiniMind or for Hugging Face (`python -m checkpoint export`).
+
+Sources `model.init_from` reads, each read once and hashed from the same bytes (nothing pickled
+runs: `weights_only=True` or safetensors):
+  - one of our checkpoint folders, or a run folder (its newest valid checkpoint): the fp32 weights
+    of the resume file, verified against the manifest;
+  - one of our fp16 weights files (`weights_fp16.pth`);
+  - a MiniMind2 state dict (`.pth`, MiniMind2's key names: `model.embed_tokens`, ...);
+  - a Hugging Face Llama folder (`config.json` + `model.safetensors`), as `export --format hf` writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from checkpoint import storage as io
+from checkpoint.manager import half_weights
+from data import tokenizer as tokenizers
+from model import MiniMindLM, ModelConfig
+from model.formats import WeightsError, check_fits, config_from_hf, from_llama, hf_config, is_llama, llama_name, to_llama
+
+FORMATS = ("minimind", "hf")
+HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise WeightsError(f"model.init_from: {path} does not exist") from None
+    except OSError as e:
+        raise io.CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def _safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except (SafetensorError, ValueError) as e:
+        raise WeightsError(f"{path}: not a safetensors file ({e})") from None
+
+
+def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the weights under our key names, the record of where they came from: path, sha256, format)."""
+    path = Path(path)
+    if path.is_dir() and (path / HF_CONFIG).is_file():
+        data = _read(path / HF_WEIGHTS)
+        state = _safetensors(data, path / HF_WEIGHTS)
+        try:
+            hf = json.loads((path / HF_CONFIG).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{path / HF_CONFIG}: does not parse ({e})") from None
+        theirs = config_from_hf(hf)
+        diffs = [f"{k} {theirs[k]} there, model.{k}={getattr(cfg, k)} here" for k in ("rope_theta", "norm_eps")
+                 if theirs[k] is not None and float(theirs[k]) != float(getattr(cfg, k))]
+        if diffs:
+            raise WeightsError(f"{path / HF_CONFIG}: describes another model ({'; '.join(diffs)})")
+        record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(), "format": "hf"}
+    elif path.is_dir():  # one of our checkpoints, or a run folder
+        folder, manifest, _ = io.find_checkpoint(path)
+        _, payload = io.load_verified(folder)
+        try:
+            state = payload["model"]
+        except (TypeError, KeyError):
+            raise io.CheckpointError(f"{folder / io.RESUME_FILE}: no model weights in it") from None
+        record = {"path": str(folder.resolve()), "sha256": manifest["files"][io.RESUME_FILE]["sha256"], "format": "checkpoint",
+                  "model_sha256": manifest.get("model_sha256")}
+    else:
+        data = _read(path)
+        if path.suffix == ".safetensors":
+            state = _safetensors(data, path)
+        else:
+            state = io.deserialize(data, path, "cpu")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise WeightsError(f"{path}: not a state dict (a mapping of names to tensors)")
+        record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(),
+                  "format": "minimind" if is_llama(state) else "weights"}
+    llama = is_llama(state)
+    if llama:
+        state = from_llama(state)
+    record["keys"] = "llama" if llama else "ours"
+    return state, record
+
+
+def init_from(model: MiniMindLM, path: str | Path) -> dict:
+    """Load the weights at `path` into `model` (fp32); keys and shapes must match exactly. Returns the source's record."""
+    state, record = read_source(path, model.cfg)
+    check_fits(state, model.state_dict(), str(path), llama_name if record["keys"] == "llama" else (lambda k: k))
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    return record
+
+
+def _checkpoint_weights(ckpt: Path) -> tuple[Path, ModelConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(folder, model config, fp32 weights, tokenizer files) of a verified checkpoint (or a run folder's newest)."""
+    folder, manifest, _ = io.find_checkpoint(ckpt)
+    _, payload = io.load_verified(folder)
+    try:
+        cfg = ModelConfig(**payload["config"]["model"])
+        state = payload["model"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
+    files = {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
+    return folder, cfg, state, files
+
+
+def _atomic(out: Path, write) -> Path:
+    """Run `write(tmp)` then rename tmp to `out`; an existing `out` is refused, never overwritten."""
+    if out.exists() or out.is_symlink():
+        raise WeightsError(f"--out {out}: exists; choose another path or remove it first (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
+    """Write the checkpoint's weights as a MiniMind2 state dict (fp16 .pth) or a Hugging Face Llama folder (fp32)."""
+    folder, cfg, state, files = _checkpoint_weights(Path(ckpt))
+    out = Path(out)
+    if fmt == "minimind":
+        halves = half_weights(state)  # tied tensors stay one tensor, as in MiniMind's own state dict
+        return _atomic(out, lambda tmp: torch.save(to_llama(halves, lm_head=True), tmp))
+    if fmt != "hf":
+        raise WeightsError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    tok = tokenizers.from_files(files, str(folder))
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp.mkdir()
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_llama(state, lm_head=False).items()}
+        save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+        (tmp / HF_CONFIG).write_text(json.dumps(hf_config(cfg, tok.bos, tok.eos, tok.pad), indent=1) + "\n")
+        generation = {"bos_token_id": tok.bos, "eos_token_id": tok.eos, "pad_token_id": tok.pad, "max_length": cfg.seq_len}
+        (tmp / HF_GENERATION).write_text(json.dumps(generation, indent=1) + "\n")
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+
+    return _atomic(out, write)
