@@ -15,11 +15,15 @@ def load_tokenizer(path: Path):
     """The tokenizer a checkpoint (or a run folder's newest) carries: its own tokenizer.json, read
     verified, or the byte tokenizer when it has none."""
     folder, manifest, _ = io.find_checkpoint(path)
-    files = {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
     try:
-        return tokenizer.from_files(files, str(folder))
+        return tokenizer.from_files(tokenizer_files(folder, manifest), str(folder))
     except tokenizer.TokenizerError as e:
         raise io.CheckpointError(str(e)) from None
+
+
+def tokenizer_files(folder: Path, manifest: dict) -> dict[str, bytes]:
+    """The tokenizer files a verified checkpoint folder lists, each read once and checked against its sha256."""
+    return {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:

@@ -23,6 +23,7 @@ import torch
 from checkpoint import storage as io
 from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
+from inference import tokenizer_files
 from model import MiniMindLM, ModelConfig
 from model.formats import WeightsError, check_fits, config_from_hf, from_llama, hf_config, is_llama, llama_name, to_llama
 
@@ -108,8 +109,7 @@ def _checkpoint_weights(ckpt: Path) -> tuple[Path, ModelConfig, dict[str, torch.
         state = payload["model"]
     except (KeyError, TypeError, ValueError) as e:
         raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
-    files = {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
-    return folder, cfg, state, files
+    return folder, cfg, state, tokenizer_files(folder, manifest)
 
 
 def _atomic(out: Path, write) -> Path:

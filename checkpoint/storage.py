@@ -367,17 +367,7 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
     deserialized from the same buffer (in two threads at once), and the object is returned only if
     their sha256 is the manifest's. A file that changes after the check cannot be loaded unverified,
     because nothing is read from disk a second time. The other files' presence and sizes are checked."""
-    body = _listed_files_present(folder)
-    if name not in body["files"]:
-        raise CheckpointError(f"{folder / MANIFEST}: does not list {name}")
-    path, entry = folder / name, body["files"][name]
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-    if len(data) != entry["bytes"]:
-        raise CheckpointError(f"{path}: {len(data)} bytes read, the manifest says {entry['bytes']} (changed while read)")
+    body, path, entry, data = _read_listed(folder, name)
     digest = _helper.submit(lambda: hashlib.sha256(data).hexdigest())
     try:
         obj, error = deserialize(data, path, map_location), None
@@ -391,16 +381,26 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
 
 def read_verified(folder: Path, name: str) -> bytes:
     """The bytes of `folder/name`, read once and returned only if their sha256 is the manifest's."""
+    _, path, entry, data = _read_listed(folder, name)
+    _check_sha(path, hashlib.sha256(data).hexdigest(), entry)
+    return data
+
+
+def _read_listed(folder: Path, name: str) -> tuple[dict, Path, dict, bytes]:
+    """(manifest, path, its manifest entry, its bytes) of a file the manifest lists, read once, of
+    the listed size; the other listed files' presence and sizes are checked."""
     body = _listed_files_present(folder)
     if name not in body["files"]:
         raise CheckpointError(f"{folder / MANIFEST}: does not list {name}")
-    path = folder / name
+    path, entry = folder / name, body["files"][name]
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-    _check_sha(path, hashlib.sha256(data).hexdigest(), body["files"][name])
-    return data
+    if len(data) != entry["bytes"]:
+        raise CheckpointError(f"{path}: {len(data)} bytes read, the manifest says {entry['bytes']} (changed while read)")
+    return body, path, entry, data
 
 
 def deserialize(data: bytes, path: Path, map_location: Any) -> Any:

@@ -2,8 +2,8 @@
 
 Each line of the source is `{"text": "..."}`. Documents are encoded as BOS + ids + EOS (the byte
 tokenizer's, or a tokenizer file's: data/tokenizer), joined, and cut into samples of `seq_len + 1`
-tokens (the tail that does not fill a sample is dropped).
-The packed file `<name>.bin` (uint16, or uint32 for a vocabulary past 65,536 ids) sits in the cache folder beside `<name>.json`, the
+tokens (the tail that does not fill a sample is dropped). The packed file `<name>.bin` (uint16, or
+uint32 for a vocabulary past 65,536 ids) sits in the cache folder beside `<name>.json`, the
 fingerprint, which is written last: a packed file counts only when its fingerprint matches the
 source's sha256, the tokenizer and seq_len, so a killed preparation is never mistaken for a cache.
 """
@@ -181,8 +181,7 @@ def _read_ahead(batches, depth: int = 2):
         except BaseException as e:  # handed to the consumer, raised there with its message
             q.put(e)
 
-    thread = threading.Thread(target=produce, name="corpus-reader", daemon=True)
-    thread.start()
+    threading.Thread(target=produce, name="corpus-reader", daemon=True).start()
     try:
         while (item := q.get()) is not done:
             if isinstance(item, BaseException):
@@ -257,7 +256,8 @@ def pack(source: Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int
             and meta.get("seq_len") == seq_len
             and bin_path.stat().st_size == meta.get("num_samples", -1) * dtype.itemsize * (seq_len + 1)
         ):
-            return bin_path, {**meta, "dtype": dtype.name}
+            # where this run's tokenizer file is (the cache may have been packed from a copy elsewhere)
+            return bin_path, {**meta, "dtype": dtype.name, **({"tokenizer_source": tok.source} if hasattr(tok, "source") else {})}
 
     for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path):
         log.info("removed %s, left by an interrupted preparation", p)
