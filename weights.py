@@ -25,7 +25,7 @@ from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
 from inference import tokenizer_files
 from model import MiniMindLM, ModelConfig
-from model.formats import WeightsError, check_fits, config_from_hf, from_llama, hf_config, is_llama, llama_name, to_llama
+from model.formats import WeightsError, check_fits, from_llama, hf_config, is_llama, llama_name, to_llama
 
 FORMATS = ("minimind", "hf")
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
@@ -60,19 +60,16 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
             hf = json.loads((path / HF_CONFIG).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WeightsError(f"{path / HF_CONFIG}: does not parse ({e})") from None
-        theirs = config_from_hf(hf)
-        diffs = [f"{k} {theirs[k]} there, model.{k}={getattr(cfg, k)} here" for k in ("rope_theta", "norm_eps")
-                 if theirs[k] is not None and float(theirs[k]) != float(getattr(cfg, k))]
+        # the tensors' shapes are checked against model.* later; these two numbers are not in any shape
+        theirs = {"rope_theta": (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta")),
+                  "norm_eps": hf.get("rms_norm_eps")}
+        diffs = [f"{k} {v} there, model.{k}={getattr(cfg, k)} here" for k, v in theirs.items()
+                 if v is not None and float(v) != float(getattr(cfg, k))]
         if diffs:
             raise WeightsError(f"{path / HF_CONFIG}: describes another model ({'; '.join(diffs)})")
         record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(), "format": "hf"}
     elif path.is_dir():  # one of our checkpoints, or a run folder
-        folder, manifest, _ = io.find_checkpoint(path)
-        _, payload = io.load_verified(folder)
-        try:
-            state = payload["model"]
-        except (TypeError, KeyError):
-            raise io.CheckpointError(f"{folder / io.RESUME_FILE}: no model weights in it") from None
+        folder, manifest, _, state = checkpoint_weights(path)
         record = {"path": str(folder.resolve()), "sha256": manifest["files"][io.RESUME_FILE]["sha256"], "format": "checkpoint",
                   "model_sha256": manifest.get("model_sha256")}
     else:
@@ -100,16 +97,14 @@ def init_from(model: MiniMindLM, path: str | Path) -> dict:
     return record
 
 
-def _checkpoint_weights(ckpt: Path) -> tuple[Path, ModelConfig, dict[str, torch.Tensor], dict[str, bytes]]:
-    """(folder, model config, fp32 weights, tokenizer files) of a verified checkpoint (or a run folder's newest)."""
+def checkpoint_weights(ckpt: Path) -> tuple[Path, dict, ModelConfig, dict[str, torch.Tensor]]:
+    """(folder, manifest, model config, fp32 weights) of a verified checkpoint (or a run folder's newest)."""
     folder, manifest, _ = io.find_checkpoint(ckpt)
     _, payload = io.load_verified(folder)
     try:
-        cfg = ModelConfig(**payload["config"]["model"])
-        state = payload["model"]
+        return folder, manifest, ModelConfig(**payload["config"]["model"]), payload["model"]
     except (KeyError, TypeError, ValueError) as e:
         raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
-    return folder, cfg, state, tokenizer_files(folder, manifest)
 
 
 def _atomic(out: Path, write) -> Path:
@@ -129,7 +124,8 @@ def _atomic(out: Path, write) -> Path:
 
 def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
     """Write the checkpoint's weights as a MiniMind2 state dict (fp16 .pth) or a Hugging Face Llama folder (fp32)."""
-    folder, cfg, state, files = _checkpoint_weights(Path(ckpt))
+    folder, manifest, cfg, state = checkpoint_weights(Path(ckpt))
+    files = tokenizer_files(folder, manifest)
     out = Path(out)
     if fmt == "minimind":
         halves = half_weights(state)  # tied tensors stay one tensor, as in MiniMind's own state dict

@@ -126,10 +126,3 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int, pad: int) -> dict:
         "dtype": "float32",
     }
 
-
-def config_from_hf(hf: dict, seq_len: int | None = None) -> dict:
-    """The `model.*` values a Hugging Face Llama config describes (for error messages and checks)."""
-    rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
-    return {"dim": hf.get("hidden_size"), "n_layers": hf.get("num_hidden_layers"), "n_heads": hf.get("num_attention_heads"),
-            "n_kv_heads": hf.get("num_key_value_heads"), "vocab_size": hf.get("vocab_size"), "hidden_dim": hf.get("intermediate_size"),
-            "norm_eps": hf.get("rms_norm_eps"), "rope_theta": rope}

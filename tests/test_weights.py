@@ -35,9 +35,9 @@ def run(tmp_path_factory, tiny, trained) -> Path:
 
 
 def fp32_model(run: Path) -> MiniMindLM:
-    from weights import _checkpoint_weights
+    from weights import checkpoint_weights
 
-    _, cfg, state, _ = _checkpoint_weights(run)
+    _, _, cfg, state = checkpoint_weights(run)
     model = MiniMindLM(cfg)
     model.load_state_dict(state)
     return model.eval()

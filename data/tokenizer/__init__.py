@@ -163,7 +163,7 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
     and its `tokenizer_config.json`. Deterministic: the same corpora and arguments give the same bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from ..prepare import _iter_documents  # the corpus reader with its file:line errors
+    from ..prepare import iter_documents  # the corpus reader with its file:line errors
 
     if vocab_size < 256 + len(SPECIALS):
         raise TokenizerError(f"--vocab-size {vocab_size}: must be at least {256 + len(SPECIALS)} (the 256 byte symbols "
@@ -176,7 +176,7 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
 
     def texts():
         for corpus in corpora:
-            yield from _iter_documents(corpus)
+            yield from iter_documents(corpus)
 
     tok.train_from_iterator(texts(), trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
