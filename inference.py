@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import storage as io
+from checkpoint import storage
 from data import tokenizer
 from model import KVCache, MiniMindLM, ModelConfig
 
@@ -14,16 +14,16 @@ from model import KVCache, MiniMindLM, ModelConfig
 def load_tokenizer(path: Path):
     """The tokenizer a checkpoint (or a run folder's newest) carries: its own tokenizer.json, read
     verified, or the byte tokenizer when it has none."""
-    folder, manifest, _ = io.find_checkpoint(path)
+    folder, manifest, _ = storage.find_checkpoint(path)
     try:
         return tokenizer.from_files(tokenizer_files(folder, manifest), str(folder))
     except tokenizer.TokenizerError as e:
-        raise io.CheckpointError(str(e)) from None
+        raise storage.CheckpointError(str(e)) from None
 
 
 def tokenizer_files(folder: Path, manifest: dict) -> dict[str, bytes]:
     """The tokenizer files a verified checkpoint folder lists, each read once and checked against its sha256."""
-    return {name: io.read_verified(folder, name) for name in io.TOKENIZER_FILES if name in manifest["files"]}
+    return {name: storage.read_verified(folder, name) for name in storage.TOKENIZER_FILES if name in manifest["files"]}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
@@ -32,16 +32,16 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     The folder is verified against its manifest first, the model's shape comes from the manifest's
     config, and the weights are read with `weights_only=True`: nothing in the files can run.
     """
-    folder, manifest, _ = io.find_checkpoint(path)
+    folder, manifest, _ = storage.find_checkpoint(path)
     try:
         cfg = ModelConfig(**manifest["config"]["model"])
     except (KeyError, TypeError, ValueError) as e:
-        raise io.CheckpointError(f"{folder / io.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
-    weights = io.safe_load(folder / io.WEIGHTS_FILE, map_location="cpu")
+        raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
+    weights = storage.safe_load(folder / storage.WEIGHTS_FILE, map_location="cpu")
     model = MiniMindLM(cfg)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     if missing or unexpected:
-        raise io.CheckpointError(f"{folder / io.WEIGHTS_FILE}: does not fit model {cfg} (missing {missing}, unexpected {unexpected})")
+        raise storage.CheckpointError(f"{folder / storage.WEIGHTS_FILE}: does not fit model {cfg} (missing {missing}, unexpected {unexpected})")
     return model.to(device=device, dtype=dtype).eval()
 
 

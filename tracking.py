@@ -1,6 +1,6 @@
 """Curves to watch: TensorBoard or Weights & Biases, on global rank 0 only (`log.tracker`).
 
-Both resume like `metrics.jsonl` (DESIGN.md I15): TensorBoard purges every step past the
+Both resume like `metrics.jsonl` (docs/design.md I15): TensorBoard purges every step past the
 checkpoint the run resumed from (the writer's `purge_step`), W&B continues the run whose id is the
 checkpoint's `run_id`. A tracker that is not installed, cannot start or fails mid-run never stops
 training: one warning, then it is off, and `metrics.jsonl` goes on.

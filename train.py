@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=N train.py --config configs/tiny.yaml [key=value ...]
 
 Stop it at any moment and run the same command again: it resumes from the newest valid checkpoint
-in out_dir and ends bit-for-bit where the uninterrupted run would (README, "Resuming").
+in out_dir and ends bit-for-bit where the uninterrupted run would (docs/resuming.md).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,12 +37,11 @@ from model import MiniMindLM
 from model.formats import WeightsError
 
 log = logging.getLogger("minimind")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
     """LR of optimizer step `step` (0-based): linear warm-up, then cosine down to min_lr_ratio * lr.
-    A pure function of the step (DESIGN.md I5), so only the step is saved."""
+    A pure function of the step (docs/design.md I5), so only the step is saved."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
@@ -104,7 +102,7 @@ def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
     val, m = run.val_dataset, cfg.train.micro_batch
     n = min(cfg.eval.samples or len(val), len(val))
     blocks = range(rt.rank, (n + m - 1) // m, rt.world_size)
-    autocast = torch.autocast(rt.device.type, dtype=DTYPES[cfg.train.dtype]) if cfg.train.dtype != "float32" else nullcontext()
+    autocast = runtime.autocast(rt.device, cfg.train.dtype)
     mine: list[tuple[int, list[float]]] = []
     was_training = run.model.training
     run.model.eval()
@@ -127,7 +125,7 @@ def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
 
 @dataclass
 class TrainState:
-    """Where the run is (DESIGN.md I2): optimizer steps done (the LR is a function of it, I5), and the
+    """Where the run is (docs/design.md I2): optimizer steps done (the LR is a function of it, I5), and the
     data position: the epoch of the last step and the samples of that epoch consumed so far, which
     is what a resume continues the data from. `metrics.jsonl` logs the same two after each step."""
 
@@ -152,7 +150,7 @@ def step_batches(dataset, sampler: BlockDistributedSampler, epoch: int, first: i
     of `epoch` on.
 
     Each epoch gets a fresh loader over `sampler.set_epoch(epoch)` and a SkipBatchSampler that skips
-    what this rank's stream already consumed: `step_in_epoch * accum` (DESIGN.md I4).
+    what this rank's stream already consumed: `step_in_epoch * accum` (docs/design.md I4).
     """
     plan, spe = sampler.plan, sampler.plan.steps_per_epoch(len(dataset))
     while True:
@@ -246,13 +244,13 @@ def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
 def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int) -> float:
     """Forward/backward over this rank's micro-batches, reduce, clip, optimizer step. Returns the
     step's loss, averaged over the global batch."""
-    autocast = torch.autocast(rt.device.type, dtype=DTYPES[cfg.train.dtype]) if cfg.train.dtype != "float32" else nullcontext()
+    autocast = runtime.autocast(rt.device, cfg.train.dtype)
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
     scaler = run.scaler
     for j, (x, y) in enumerate(micro_batches):
-        i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (I4)
+        i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (docs/design.md I4)
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-        # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (I6).
+        # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (docs/design.md I6).
         with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
             torch.manual_seed(runtime.derive_seed(cfg.seed, epoch, s, i))
             with autocast:
@@ -278,7 +276,7 @@ class Metrics:
     def __init__(self, cfg: Config, rt: runtime.Runtime, run: Run, sampler: BlockDistributedSampler, start: int) -> None:
         self.cfg, self.run, self.sampler = cfg, run, sampler
         self.file = open(Path(cfg.out_dir) / runfolder.METRICS, "a") if rt.is_main else None
-        # Watching does not touch training (DESIGN.md I15): the tracker starts after the load, with
+        # Watching does not touch training (docs/design.md I15): the tracker starts after the load, with
         # the checkpoint's run id, and purges or rewinds what a killed run logged past it.
         self.tracker = tracking.open_tracker(cfg.log.tracker, Path(cfg.out_dir), cfg.log.project, run.ckpt.meta.run_id,
                                              start, to_dict(cfg)) if rt.is_main else tracking.Tracker()
@@ -326,7 +324,9 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     if rt.is_main:  # after the load: a run that cannot resume leaves the folder as it found it
         source = run.ckpt.meta.init_from
         head = f"# model.init_from: {source['path']} (sha256 {source['sha256']}, {source['format']})\n" if source else ""
-        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(head + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        resolved = to_dict(cfg)
+        resolved["model"]["init_from"] = source["path"] if source else ""  # the source this run used, not what the key says now
+        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(head + yaml.safe_dump(resolved, sort_keys=False))
     epoch, first = run.train_state.position(run.plan, run.steps_per_epoch)
     if resumed:
         log_position(resumed, run, epoch, first)
@@ -348,7 +348,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
         seconds = time.perf_counter() - t0
-        # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (I7).
+        # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (docs/design.md I7).
         run.train_state.step, run.train_state.epoch, run.train_state.samples_seen = step, epoch, (s + 1) * run.plan.global_batch
         evaluating = cfg.eval.interval and (step % cfg.eval.interval == 0 or step == cfg.train.steps)
         metrics.step(run.train_state, s, loss, lr, seconds, evaluate(cfg, rt, run) if evaluating else None)
@@ -370,6 +370,9 @@ def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resu
         if source and rt.is_main:
             log.info("the run began from %s (sha256 %s); resumed from its checkpoint, the source is not read again",
                      source["path"], source["sha256"][:12])
+        elif cfg.model.init_from and rt.is_main:
+            log.warning("model.init_from=%s is ignored: this run began from its seeded init and resumes from its checkpoint",
+                        cfg.model.init_from)
         return
     if not cfg.model.init_from:
         return
@@ -389,7 +392,7 @@ def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resu
 
 
 def log_position(resumed: Resumed, run: Run, epoch: int, first: int) -> None:
-    """Where the data continues, and the world-size rescale that gets it there (DESIGN.md I4)."""
+    """Where the data continues, and the world-size rescale that gets it there (docs/design.md I4)."""
     t, plan = run.train_state, run.plan
     where = (f"step {t.step} resumes at sample {first * plan.global_batch} of epoch {epoch}, "
              f"skipping {first * plan.accum} micro-batches per rank")
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def take_run_folder(cfg: Config, rt: runtime.Runtime) -> runfolder.RunLock | None:
-    """Global rank 0 locks out_dir before anything touches it (DESIGN.md I12); every rank learns
+    """Global rank 0 locks out_dir before anything touches it (docs/design.md I12); every rank learns
     the outcome, so all of them refuse together when another run holds the folder."""
     lock, outcome = None, None
     if rt.is_main:

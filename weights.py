@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import storage as io
+from checkpoint import storage
 from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
 from inference import tokenizer_files
 from model import MiniMindLM, ModelConfig
-from model.formats import WeightsError, check_fits, from_llama, hf_config, is_llama, llama_name, to_llama
+from model.formats import (WeightsError, check_fits, check_tensors, from_llama, hf_config, hf_differences, is_llama, llama_name,
+                           to_llama)
 
 FORMATS = ("minimind", "hf")
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
@@ -37,7 +38,7 @@ def _read(path: Path) -> bytes:
     except FileNotFoundError:
         raise WeightsError(f"model.init_from: {path} does not exist") from None
     except OSError as e:
-        raise io.CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+        raise storage.CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def _safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
@@ -54,30 +55,35 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
     """(the weights under our key names, the record of where they came from: path, sha256, format)."""
     path = Path(path)
     if path.is_dir() and (path / HF_CONFIG).is_file():
-        data = _read(path / HF_WEIGHTS)
-        state = _safetensors(data, path / HF_WEIGHTS)
+        config_bytes, data = _read(path / HF_CONFIG), _read(path / HF_WEIGHTS)
         try:
-            hf = json.loads((path / HF_CONFIG).read_text())
+            hf = json.loads(config_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WeightsError(f"{path / HF_CONFIG}: does not parse ({e})") from None
-        # the tensors' shapes are checked against model.* later; these two numbers are not in any shape
-        theirs = {"rope_theta": (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta")),
-                  "norm_eps": hf.get("rms_norm_eps")}
-        diffs = [f"{k} {v} there, model.{k}={getattr(cfg, k)} here" for k, v in theirs.items()
-                 if v is not None and float(v) != float(getattr(cfg, k))]
+        if not isinstance(hf, dict):
+            raise WeightsError(f"{path / HF_CONFIG}: not a mapping of config fields")
+        # Shapes alone do not tell 8 heads of 4 from 4 heads of 8: every architectural field is compared.
+        diffs = hf_differences(hf, cfg)
         if diffs:
-            raise WeightsError(f"{path / HF_CONFIG}: describes another model ({'; '.join(diffs)})")
-        record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(), "format": "hf"}
+            raise WeightsError(f"{path / HF_CONFIG}: describes another model than model.* ({'; '.join(diffs)})")
+        state = _safetensors(data, path / HF_WEIGHTS)
+        # The source's identity is both files: another config.json over the same tensors is another model.
+        files = {HF_CONFIG: hashlib.sha256(config_bytes).hexdigest(), HF_WEIGHTS: hashlib.sha256(data).hexdigest()}
+        combined = hashlib.sha256("".join(f"{name}:{sha}\n" for name, sha in files.items()).encode()).hexdigest()
+        record = {"path": str(path.resolve()), "sha256": combined, "format": "hf", "files": files}
     elif path.is_dir():  # one of our checkpoints, or a run folder
         folder, manifest, _, state = checkpoint_weights(path)
-        record = {"path": str(folder.resolve()), "sha256": manifest["files"][io.RESUME_FILE]["sha256"], "format": "checkpoint",
+        record = {"path": str(folder.resolve()), "sha256": manifest["files"][storage.RESUME_FILE]["sha256"], "format": "checkpoint",
                   "model_sha256": manifest.get("model_sha256")}
     else:
         data = _read(path)
         if path.suffix == ".safetensors":
             state = _safetensors(data, path)
         else:
-            state = io.deserialize(data, path, "cpu")
+            try:
+                state = storage.deserialize(data, path, "cpu")
+            except storage.CheckpointError as e:  # pickled code, or not a torch file: a source we refuse, bad input
+                raise WeightsError(f"model.init_from: {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise WeightsError(f"{path}: not a state dict (a mapping of names to tensors)")
         record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(),
@@ -92,19 +98,21 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
 def init_from(model: MiniMindLM, path: str | Path) -> dict:
     """Load the weights at `path` into `model` (fp32); keys and shapes must match exactly. Returns the source's record."""
     state, record = read_source(path, model.cfg)
-    check_fits(state, model.state_dict(), str(path), llama_name if record["keys"] == "llama" else (lambda k: k))
+    names = llama_name if record["keys"] == "llama" else (lambda k: k)
+    check_fits(state, model.state_dict(), str(path), names)
+    check_tensors(state, str(path), names)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
     return record
 
 
 def checkpoint_weights(ckpt: Path) -> tuple[Path, dict, ModelConfig, dict[str, torch.Tensor]]:
     """(folder, manifest, model config, fp32 weights) of a verified checkpoint (or a run folder's newest)."""
-    folder, manifest, _ = io.find_checkpoint(ckpt)
-    _, payload = io.load_verified(folder)
+    folder, manifest, _ = storage.find_checkpoint(ckpt)
+    _, payload = storage.load_verified(folder)
     try:
         return folder, manifest, ModelConfig(**payload["config"]["model"]), payload["model"]
     except (KeyError, TypeError, ValueError) as e:
-        raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
+        raise storage.CheckpointError(f"{folder / storage.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
 
 
 def _atomic(out: Path, write) -> Path:

@@ -24,20 +24,20 @@ import json
 import sys
 from pathlib import Path
 
-from . import runfolder, storage as io
+from . import runfolder, storage
 
 
 def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
-    """Describe a verified checkpoint folder (`manifest` is what `io.verify` returned for it)."""
+    """Describe a verified checkpoint folder (`manifest` is what `storage.verify` returned for it)."""
     try:
-        return _describe(folder, manifest, io.safe_load(folder / io.RESUME_FILE))
+        return _describe(folder, manifest, storage.safe_load(folder / storage.RESUME_FILE))
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise io.CheckpointError(f"{folder / io.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
+        raise storage.CheckpointError(f"{folder / storage.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
 
 
 def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
     train = payload["train"]
-    sha = io.model_sha256(payload["model"])
+    sha = storage.model_sha256(payload["model"])
     optimizer_bytes = sum(t.numel() * t.element_size() for st in payload["optimizer"]["state"].values() for t in st.values() if hasattr(t, "numel"))
     return {
         "path": str(folder),
@@ -64,7 +64,7 @@ def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
 
 def inspect_path(path: Path) -> dict:
     """A checkpoint folder, or a run folder: its newest valid checkpoint, with every checkpoint listed."""
-    folder, manifest, listing = io.find_checkpoint(path, verify_all=True)
+    folder, manifest, listing = storage.find_checkpoint(path, verify_all=True)
     if not listing:  # a checkpoint folder
         return inspect_checkpoint(folder, manifest)
     return {**inspect_checkpoint(folder, manifest), "checkpoints": [
@@ -78,15 +78,15 @@ def _losses(run: Path) -> list[tuple[int, float]]:
     try:
         return [(int(m["step"]), float(m["loss"])) for m in runfolder.read_metrics(run)]
     except (KeyError, TypeError, ValueError) as e:
-        raise io.CheckpointError(f"{run / runfolder.METRICS}: a line without a numeric 'step' and 'loss' ({type(e).__name__}: {e})") from None
+        raise storage.CheckpointError(f"{run / runfolder.METRICS}: a line without a numeric 'step' and 'loss' ({type(e).__name__}: {e})") from None
 
 
 def compare_runs(a: Path, b: Path) -> dict:
     """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
     `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
     ia, ib = inspect_path(a), inspect_path(b)
-    wa = io.safe_load(Path(ia["path"]) / io.RESUME_FILE)["model"]
-    wb = io.safe_load(Path(ib["path"]) / io.RESUME_FILE)["model"]
+    wa = storage.safe_load(Path(ia["path"]) / storage.RESUME_FILE)["model"]
+    wb = storage.safe_load(Path(ib["path"]) / storage.RESUME_FILE)["model"]
     max_dw = max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if k in wb and wa[k].shape == wb[k].shape),
                  default=float("nan"))
     la, lb = _losses(a), _losses(b)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(generate(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
                                args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
             except ValueError as err:  # a request the model cannot serve (past its positions)
-                raise io.CheckpointError(f"generate: {err}") from None
+                raise storage.CheckpointError(f"generate: {err}") from None
             return 0
         if args.verb == "export":
             from model.formats import WeightsError
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 out = export(args.path, args.format, args.out)
             except WeightsError as err:
-                raise io.CheckpointError(str(err)) from None
+                raise storage.CheckpointError(str(err)) from None
             except OSError as err:
                 print(f"error: {err.filename or args.out}: {err.strerror}", file=sys.stderr)
                 return 1
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare_runs(args.run_a, args.run_b)
         print(json.dumps(result, indent=1))
         return 0 if result["identical"] else 1
-    except (io.CheckpointError, runfolder.RunFolderError) as e:
+    except (storage.CheckpointError, runfolder.RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

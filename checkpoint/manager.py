@@ -28,6 +28,9 @@ from .config import CheckpointConfig
 
 log = logging.getLogger("minimind")
 RESUME_FORMAT = "minimind-resume/1"
+OPTIONAL_STATES = frozenset({"scaler"})
+"""States a resume file may lack: they start fresh, with a warning (a GradScaler when a float32 or
+bfloat16 run continues in float16)."""
 
 
 class Stateful(Protocol):
@@ -160,7 +163,7 @@ def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = Fal
 
 def truncate_metrics(path: Path, step: int) -> int:
     """Drop metrics lines past `step` (and any half-written line) so a resumed log equals an
-    uninterrupted one (DESIGN.md I11). Returns the number of lines kept."""
+    uninterrupted one (docs/design.md I11). Returns the number of lines kept."""
     if not path.exists():
         return 0
     kept = []
@@ -221,7 +224,7 @@ class CheckpointManager:
                 log.warning("skipping checkpoint step %d: %s", bad, error)
             return folder, payload
         if faults:
-            # Checkpoints exist and none verifies: a fresh start would train over them. Stop (I13).
+            # Checkpoints exist and none verifies: a fresh start would train over them. Stop (docs/design.md I13).
             listing = "\n".join(f"  {folder}: {error}" for _, folder, error in faults)
             raise storage.CheckpointError(
                 f"{self.root}: no checkpoint verifies, so this run cannot resume, and it will not start "
@@ -229,17 +232,16 @@ class CheckpointManager:
                 f"Ways on: checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir")
         return None
 
-    def load(self, states: dict[str, Stateful], optional: frozenset[str] = frozenset({"scaler"})) -> Resumed | None:
+    def load(self, states: dict[str, Stateful]) -> Resumed | None:
         """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start).
 
         Every rank reads the resume file once and deserializes the bytes it verified. A state named
-        in `optional` that the checkpoint lacks starts fresh with a warning (a GradScaler when a
+        in OPTIONAL_STATES that the checkpoint lacks starts fresh with a warning (a GradScaler when a
         float32 or bfloat16 run continues in float16); any other missing state is an error."""
         t0 = time.monotonic()
         choice: Any = None
         payload = None
-        if self.comm.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
+        if self.comm.is_main:  # nothing is created here: the first publish makes the folder
             for p in storage.clear_temporaries(self.root):
                 log.info("removed %s, left by an interrupted save", p)
             try:
@@ -268,7 +270,7 @@ class CheckpointManager:
             for name, obj in states.items():
                 if name in payload:
                     obj.load_state_dict(payload[name])
-                elif name in optional:
+                elif name in OPTIONAL_STATES:
                     log.warning("%s: no '%s' state in the resume file; it starts fresh", path, name)
                 else:
                     raise storage.CheckpointError(f"{path / storage.RESUME_FILE}: no '{name}' state in the resume file")
@@ -322,8 +324,8 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- after each step
     def after_step(self, step: int, states: dict[str, Stateful], stop: bool, end: str | None) -> str | None:
-        """Called by every rank after optimizer step `step` (DESIGN.md I7). One collective decides for
-        every rank together (I9): did any rank get a stop signal (`stop`), did a background save
+        """Called by every rank after optimizer step `step` (docs/design.md I7). One collective decides for
+        every rank together (docs/design.md I9): did any rank get a stop signal (`stop`), did a background save
         fail (then all raise). Saves when the run ends here ("stopped", or the loop's `end`:
         "halted", "finished") or the interval is due; at an end, drains the pending async save.
         Returns how the run ends here, or None to go on."""

@@ -1,7 +1,7 @@
 """Per-process RNG state as tensors and ints, so that `torch.load(weights_only=True)` reads it back.
 
 In-step randomness is derived from (seed, epoch, step, micro-batch) and needs no saving
-(DESIGN.md I6); the global generators are saved and restored anyway, per rank, so that code a user
+(docs/design.md I6); the global generators are saved and restored anyway, per rank, so that code a user
 adds to the loop that draws from them also resumes exactly.
 """
 from __future__ import annotations
@@ -36,10 +36,17 @@ def restore(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that is a pure function of `parts`, e.g. (seed, epoch, step, micro_batch): the
+    project's one seed formula (docs/design.md I6; runtime.seeding re-exports it for the loop)."""
+    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
 def seed_fresh(*parts: int) -> None:
-    """Seed this process's generators from a hash of `parts`: for a rank that a checkpoint has no
-    state for (the world grew)."""
-    seed = int.from_bytes(hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    """Seed this process's generators from `derive_seed(*parts)`: for a rank that a checkpoint has
+    no state for (the world grew)."""
+    seed = derive_seed(*parts)
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)

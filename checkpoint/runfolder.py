@@ -4,11 +4,11 @@
     OUT/status.json      the run's state, replaced atomically: running, stopped, finished, halted, failed
     OUT/config.yaml      the resolved config
     OUT/metrics.jsonl    one line per optimizer step
-    OUT/checkpoints/     step_XXXXXXXX/ folders (see io.py)
+    OUT/checkpoints/     step_XXXXXXXX/ folders (see storage.py)
 
 The lock is `fcntl.lockf` (a POSIX record lock): the kernel drops it when the holder dies, however
 it dies, so a SIGKILLed run never leaves a stale lock, and forked children (DataLoader workers) do
-not inherit it. README, "The run folder", says what holds on NFS and Lustre.
+not inherit it. docs/run_folder.md says what holds on NFS and Lustre.
 """
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ class RunLock:
 def _open_lock_file(out_dir: Path) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise RunFolderError(f"out_dir={out_dir} is a regular file, not a folder (expected a run folder or a new path)")
+    if (out_dir / CHECKPOINTS).is_symlink():
+        # Listing, pruning and publishing never follow links (docs/design.md I13): through a link this
+        # run would see no checkpoint, start fresh and write over the ones at the other end.
+        raise RunFolderError(
+            f"{out_dir / CHECKPOINTS} is a symbolic link (to {os.readlink(out_dir / CHECKPOINTS)}); checkpoints are never "
+            f"followed through links. Put the whole run folder on the other disk instead (out_dir=<a folder there>); "
+            f"nothing was written")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK
     if path.is_symlink():
@@ -100,7 +107,7 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 os.close(fd)
-                raise RunFolderError(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see README, 'The run folder'") from None
+                raise RunFolderError(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see docs/run_folder.md") from None
         holder = describe_holder(read_holder(out_dir))
         if time.monotonic() >= end:
             os.close(fd)

@@ -3,7 +3,7 @@
 SIGTERM (spot reclaim, torchrun's shutdown), SIGUSR1 (SLURM's pre-timeout warning) and SIGINT
 only set a flag here. The loop sums every rank's flag at each optimizer-step boundary
 (`CheckpointManager.after_step`), so that when any rank was signalled all of them save at the same step and leave
-together; nobody waits on a collective that another rank already left (DESIGN.md I9).
+together; nobody waits on a collective that another rank already left (docs/design.md I9).
 """
 from __future__ import annotations
 

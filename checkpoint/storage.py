@@ -3,7 +3,7 @@
 A checkpoint is the folder `checkpoints/step_XXXXXXXX/` holding the resume file, the fp16 weights
 file and `manifest.json`. It is built under a temporary dot-name, every file fsynced, the manifest
 (size and sha256 of every file) written last, then `os.replace`d to its final name and the parent
-fsynced (DESIGN.md I8). Discovery only looks at `step_*` names and only trusts a folder whose
+fsynced (docs/design.md I8). Discovery only looks at `step_*` names and only trusts a folder whose
 manifest parses and whose files match it, so a save killed at any moment leaves either the
 complete new checkpoint or nothing that is ever loaded.
 """
@@ -38,6 +38,9 @@ log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+MOVED_ASIDE = "moved_aside"
+"""checkpoints/moved_aside/: step folders this trainer would otherwise have deleted (one that does not
+verify, found where a new checkpoint of its step goes), kept whole under their name and the time."""
 
 
 class CheckpointError(RuntimeError):
@@ -184,13 +187,21 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
         _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)
-        if final.exists():
-            # Saving a step that exists (a rerun of the same step): move the old one aside first,
-            # so that a complete checkpoint of this step exists at every moment but this rename.
-            trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, trash)
+        if final.exists() or final.is_symlink():
+            # A folder of this step exists (a rerun of the step after a resume from an older one).
+            # It is never deleted whole: one that verifies gives up only the files its manifest lists
+            # (anything a user put there stays, set aside); one that does not verify is set aside as it is.
+            old, why = _take_out_of_the_way(root, final)
             os.replace(tmp, final)
-            _remove(trash)
+            _fsync_dir(root)
+            if why is None:
+                left = retire(old)
+                if left:
+                    kept = set_aside(root, old, final.name)
+                    log.warning("step %d: the previous %s held files the trainer did not write (%s): moved to %s",
+                                step, final.name, ", ".join(left), kept)
+            else:
+                log.warning("step %d: the previous %s did not verify (%s); moved to %s, not deleted", step, final.name, why, old)
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
@@ -200,6 +211,47 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
             raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}") from e
         raise
     return final
+
+
+def _take_out_of_the_way(root: Path, final: Path) -> tuple[Path, str | None]:
+    """Move the existing `final` out of its name: (where it went, None) when it verifies (a
+    temporary name, to be retired), or (its place under moved_aside/, the reason) when it does not."""
+    try:
+        if final.is_symlink():
+            raise CheckpointError(f"{final}: a symbolic link")
+        verify(final)
+    except CheckpointError as e:
+        return set_aside(root, final, final.name), str(e)
+    trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(final, trash)
+    return trash, None
+
+
+def set_aside(root: Path, folder: Path, name: str) -> Path:
+    """Move `folder` whole to root/moved_aside/<name>-<UTC time>; fsynced. The caller logs why."""
+    import time
+
+    aside = root / MOVED_ASIDE
+    aside.mkdir(exist_ok=True)
+    dest = aside / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:4]}"
+    os.replace(folder, dest)
+    _fsync_dir(aside)
+    _fsync_dir(root)
+    return dest
+
+
+def retire(folder: Path) -> list[str]:
+    """Delete a verified checkpoint's own files: its manifest first (from then on it is no
+    checkpoint), then each file the manifest listed, then the folder if nothing else is in it.
+    Returns the names of what was left (files a user put there), never touched."""
+    body = read_manifest(folder)
+    (folder / MANIFEST).unlink()
+    for name in body["files"]:
+        (folder / name).unlink(missing_ok=True)
+    left = sorted(p.name for p in folder.iterdir())
+    if not left:
+        folder.rmdir()
+    return left
 
 
 def _remove(path: Path) -> None:
@@ -276,14 +328,18 @@ def clear_temporaries(root: Path) -> list[Path]:
 
 
 def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
-    """Delete all but the newest `keep` valid checkpoints, oldest first. Call only after publishing.
+    """Retire all but the newest `keep` valid checkpoints, oldest first. Call only after publishing.
 
     Only checkpoints in `owned` (this run verified or published them) count and may go; another
     `step_*` folder is verified first and joins `owned` when it passes. A folder that does not
-    verify is reported, never counted toward `keep`, never deleted; links are never followed."""
+    verify is reported, never counted toward `keep`, never deleted; links are never followed.
+    Retiring deletes only the files the manifest lists: a folder that also holds something else
+    (an export a user wrote into it) stays with that, and a warning names it."""
     valid = []
     for _, p in list_checkpoints(root):
         if p not in owned:
+            if not (p / MANIFEST).exists() and not any((p / name).exists() for name in FILES):
+                continue  # no checkpoint any more: what a user left in a retired one (warned about then)
             try:
                 verify(p)
                 owned.add(p)
@@ -293,7 +349,9 @@ def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
         valid.append(p)
     removed = []
     for p in reversed(valid[keep:]):
-        shutil.rmtree(p)
+        left = retire(p)
+        if left:
+            log.warning("pruned the checkpoint files of %s; left it there with what the trainer did not write: %s", p, ", ".join(left))
         owned.discard(p)
         removed.append(p)
     return removed
@@ -311,6 +369,8 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: does not parse ({e})") from None
     if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or not isinstance(body.get("step"), int):
         raise CheckpointError(f"{path}: not a checkpoint manifest (no 'files' mapping or integer 'step')")
+    if body.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads format {FORMAT}")
     for name, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
         if name not in FILES:
@@ -423,7 +483,7 @@ def _refusal(path: Path, e: Exception) -> CheckpointError:
 
 
 def safe_load(path: Path, map_location: Any = "cpu") -> Any:
-    """`torch.load(weights_only=True)`: tensors, numbers, strings and containers only (DESIGN.md I10).
+    """`torch.load(weights_only=True)`: tensors, numbers, strings and containers only (docs/design.md I10).
 
     A file that needs anything else to unpickle is refused; the unpickler stops before any of its
     code runs.

@@ -17,16 +17,11 @@ import yaml
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
 from model.config import ModelConfig
-from runtime.setup import DistConfig, RuntimeConfig
+from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
 class ConfigError(ValueError):
     pass
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
 
 
 def _positive(key: str, value: float, zero_ok: bool = False) -> None:
@@ -56,7 +51,7 @@ class TrainConfig:
     halt_at: int = 0
     """Save and exit 0 after this optimizer step, as a planned stop (0: off)."""
     dtype: str = "float32"
-    """float32 | bfloat16 | float16 (autocast; float16 uses a GradScaler, CUDA only)."""
+    """float32 | bfloat16 | float16 (autocast; float16 also uses a GradScaler, on the CPU and on CUDA)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -65,7 +60,7 @@ class TrainConfig:
             _positive(f"train.{key}", getattr(self, key), zero_ok=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
-        _choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -110,7 +105,7 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         _positive("log.every", self.every)
-        _choice("log.tracker", self.tracker, ("none", "tensorboard", "wandb"))
+        choice("log.tracker", self.tracker, ("none", "tensorboard", "wandb"))
 
 
 @dataclass

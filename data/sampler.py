@@ -1,6 +1,6 @@
 """The order of the data, and where each rank reads from it.
 
-DESIGN.md I1-I4. Epoch e's order is `randperm(N)` from a generator seeded with `seed + e`
+docs/design.md I1-I4. Epoch e's order is `randperm(N)` from a generator seeded with `seed + e`
 (DistributedSampler's rule), the same for every world size. Optimizer step s of the epoch consumes
 the positions `[s*G, (s+1)*G)` of that order, cut into M = G / micro micro-batches; micro-batch i is
 positions `[s*G + i*micro, s*G + (i+1)*micro)` and rank r computes those with i = r (mod W), in
@@ -118,7 +118,7 @@ class BlockDistributedSampler(Sampler[list[int]]):
 class SkipBatchSampler(Sampler[list[int]]):
     """MiniMind's SkipBatchSampler: the batches of `sampler` after the first `skip`, without loading them.
 
-    `skip` is derived from the global position on resume (DESIGN.md I4): `step_in_epoch * accum`
+    `skip` is derived from the global position on resume (docs/design.md I4): `step_in_epoch * accum`
     for the current world size. That derivation is the world-size rescale.
     """
 

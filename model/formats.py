@@ -94,6 +94,56 @@ def llama_name(key: str) -> str:
     return _TOP.get(key, key)
 
 
+def hf_differences(hf: dict, cfg: ModelConfig) -> list[str]:
+    """Every architectural field of a Hugging Face Llama `config.json` that describes another model
+    than `cfg`, as "field X there, model.Y=Z here" (empty: the same computation). Absent fields take
+    transformers' LlamaConfig defaults, as transformers would read them. `max_position_embeddings`
+    must cover model.seq_len (a longer context in the source changes nothing at the positions used)."""
+    heads = hf.get("num_attention_heads")
+    hidden = hf.get("hidden_size")
+    rope = hf.get("rope_parameters") or {}
+    theirs = {
+        "hidden_size": (hidden, "dim", cfg.dim),
+        "num_hidden_layers": (hf.get("num_hidden_layers"), "n_layers", cfg.n_layers),
+        "num_attention_heads": (heads, "n_heads", cfg.n_heads),
+        "num_key_value_heads": (hf.get("num_key_value_heads", heads), "n_kv_heads", cfg.n_kv_heads),
+        "head_dim": (hf.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None),
+                     "dim / model.n_heads", cfg.head_dim),
+        "intermediate_size": (hf.get("intermediate_size"), "hidden_dim (derived)", cfg.ffn_dim),
+        "vocab_size": (hf.get("vocab_size"), "vocab_size", cfg.vocab_size),
+        "rope_theta": (rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta", cfg.rope_theta),
+        "rms_norm_eps": (hf.get("rms_norm_eps", 1e-6), "norm_eps", cfg.norm_eps),
+    }
+    diffs = []
+    for field, (value, key, ours) in theirs.items():
+        same = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == float(ours)
+        if not same:
+            diffs.append(f"{field} {value!r} there, model.{key}={ours} here")
+    positions = hf.get("max_position_embeddings")
+    if not isinstance(positions, int) or positions < cfg.seq_len:
+        diffs.append(f"max_position_embeddings {positions!r} there, fewer than model.seq_len={cfg.seq_len} here")
+    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        diffs.append(f"rope scaling {scaling!r} there, none here (this model's RoPE is unscaled)")
+    if hf.get("tie_word_embeddings", False) is not True:
+        diffs.append(f"tie_word_embeddings {hf.get('tie_word_embeddings', False)!r} there (transformers' default when absent: false), "
+                     "tied here (this model's output head is its embedding)")
+    if hf.get("hidden_act", "silu") != "silu":
+        diffs.append(f"hidden_act {hf.get('hidden_act')!r} there, silu (SwiGLU) here")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            diffs.append(f"{flag} true there, no biases here")
+    return diffs
+
+
+def check_tensors(state: dict[str, torch.Tensor], source: str, names=lambda k: k) -> None:
+    """Every tensor floating point and finite; else a WeightsError naming each that is not."""
+    bad = [f"{names(k)} ({t.dtype})" for k, t in state.items() if not t.is_floating_point()]
+    bad += [f"{names(k)} (holds NaN or inf)" for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise WeightsError(f"{source}: tensors that cannot be weights of this model: {', '.join(bad)}")
+
+
 def hf_config(cfg: ModelConfig, bos: int, eos: int, pad: int) -> dict:
     """`config.json` of a Llama model equal to ours, read alike by transformers 5.x (`rope_parameters`)
     and 4.x (`rope_theta`, `rope_scaling`)."""

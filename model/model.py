@@ -68,7 +68,7 @@ class Attention(nn.Module):
             if t > 1 and start > 0:  # several new positions after cached ones: each sees the cache and its past
                 mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
         if self.n_kv_heads != self.n_heads:
-            # Repeat rather than SDPA's enable_gqa so that torch 2.4 runs this too.
+            # Repeat rather than SDPA's enable_gqa: the arithmetic every recorded sha256 and test was made with.
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(

@@ -4,7 +4,7 @@ from .elastic import agree_on_attempt, attempt_store
 from .logs import setup_logging
 from .reduce import CanonicalReduce, DDPReduce
 from .seeding import derive_seed, seed_all
-from .setup import DistConfig, Runtime, RuntimeConfig, SetupError, default_threads, setup, teardown
+from .setup import DTYPES, DistConfig, Runtime, RuntimeConfig, SetupError, autocast, default_threads, setup, teardown
 
 __all__ = [
     "CanonicalReduce", "DDPReduce", "DistConfig", "Runtime", "RuntimeConfig", "SetupError", "agree_on_attempt",

@@ -1,7 +1,7 @@
 """A workaround for torch 2.13's torchrun: each restart attempt agrees on a store key space of its own.
 
 torchrun (2.13) keeps one shared TCPStore for all of a job's restart attempts and, unlike older
-releases, no longer gives each attempt a key prefix of its own (README, "Several nodes").
+releases, no longer gives each attempt a key prefix of its own (docs/preemption.md, "Several nodes").
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The two gradient reductions (README, "Two reduction modes"): DDP, and the canonical sum that
+"""The two gradient reductions (docs/resuming.md, "Two reduction modes"): DDP, and the canonical sum that
 does not depend on the world size."""
 from __future__ import annotations
 
-import inspect
 from contextlib import nullcontext
 
 import torch
@@ -24,11 +23,8 @@ class DDPReduce:
         self.net = model
         if rt.distributed and rt.world_size > 1:
             ids = [rt.device.index] if rt.device.type == "cuda" else None
-            # RoPE tables are constants: no need to sync buffers every forward (the keyword was
-            # renamed in torch 2.13; 2.4 knows only the old one).
-            params = inspect.signature(DDP.__init__).parameters
-            no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-            self.net = DDP(model, device_ids=ids, **no_buffer_sync)
+            # RoPE tables are constants: no need to sync buffers every forward.
+            self.net = DDP(model, device_ids=ids, forward_sync_buffers=False)
         self._loss = 0.0
 
     def no_sync(self, j: int):
@@ -82,7 +78,7 @@ class CanonicalReduce:
     def reduce(self) -> float:
         w = self.rt.world_size
         if self.rt.distributed and w > 1:
-            # all_gather into views of one buffer (all_gather_into_tensor is deprecated in 2.13, absent in gloo on 2.4).
+            # all_gather into views of one buffer (all_gather_into_tensor is deprecated in torch 2.13).
             dist.all_gather(list(self.gathered.view(w, self.accum, -1).unbind(0)), self.local)
             # Rank r's row j is micro-batch i = j * W + r: reorder rows to i = 0..M-1.
             rows = self.gathered.view(w, self.accum, -1).transpose(0, 1).reshape(w * self.accum, -1)

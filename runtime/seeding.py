@@ -1,17 +1,17 @@
-"""Seeds that are pure functions of their parts (DESIGN.md I6): nothing to save for in-step draws."""
+"""Seeds that are pure functions of their parts (docs/design.md I6): nothing to save for in-step draws.
+
+The formula is checkpoint.rng.derive_seed (the leaf both this package and the checkpoint manager
+can import); it is re-exported here for the loop."""
 from __future__ import annotations
 
-import hashlib
 import random
 
 import numpy as np
 import torch
 
+from checkpoint.rng import derive_seed
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that is a pure function of `parts`, e.g. (seed, epoch, step, micro_batch)."""
-    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+__all__ = ["derive_seed", "seed_all"]
 
 
 def seed_all(seed: int) -> None:

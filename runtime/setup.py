@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +21,17 @@ class SetupError(ValueError):
     """A device or backend setting this machine cannot honour; the message names the key."""
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""train.dtype -> the torch dtype autocast computes in."""
+
+
+def autocast(device: torch.device, dtype: str):
+    """The context a forward pass runs in for train.dtype: autocast to it, or nothing for float32."""
+    return torch.autocast(device.type, dtype=DTYPES[dtype]) if dtype != "float32" else nullcontext()
+
+
+def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """A setting that must be one of `allowed`: ValueError naming the key (configs turns it into a ConfigError)."""
     if value not in allowed:
         raise ValueError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
 
@@ -35,7 +46,7 @@ class RuntimeConfig:
     """torch.use_deterministic_algorithms(True) and, on CUDA, CUBLAS_WORKSPACE_CONFIG and cuDNN flags."""
 
     def __post_init__(self) -> None:
-        _choice("runtime.device", self.device, ("auto", "cpu", "cuda"))
+        choice("runtime.device", self.device, ("auto", "cpu", "cuda"))
         if self.threads < 0:
             raise ValueError(f"runtime.threads: expected a non-negative number, got {self.threads}")
 
@@ -50,8 +61,8 @@ class DistConfig:
     """Collective timeout."""
 
     def __post_init__(self) -> None:
-        _choice("dist.reduce", self.reduce, ("ddp", "canonical"))
-        _choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
+        choice("dist.reduce", self.reduce, ("ddp", "canonical"))
+        choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
         if self.timeout_s <= 0:
             raise ValueError(f"dist.timeout_s: expected a positive number, got {self.timeout_s}")
 
@@ -94,7 +105,7 @@ class Runtime:
         return t.tolist()
 
     def any(self, flag: bool) -> bool:
-        """True on every rank when any rank passed True (DESIGN.md I9)."""
+        """True on every rank when any rank passed True (docs/design.md I9)."""
         return self.sum([float(flag)])[0] > 0
 
     def broadcast(self, obj: Any) -> Any:

@@ -1,6 +1,6 @@
 """The GPU check behind scripts/gpu_check.sh: exact resume on CUDA, throughput and MFU, save stalls.
 
-Uses only what the GPU machine has (torch >= 2.4 with CUDA, numpy, pyyaml, tqdm); prints one
+Uses only what the GPU machine has (torch with CUDA, numpy, pyyaml, tqdm); prints one
 markdown table and writes gpu_check.json into $OUT (or runs/gpu_check). `--cpu-dry-run` runs the
 same plan, shrunk, on the CPU: it checks the script, not the GPU.
 """
@@ -74,6 +74,10 @@ def exactness(work: Path, base: list[str], steps: int, device: str) -> list[dict
     return rows
 
 
+STALL_AIM = 0.2
+"""async stall / sync stall, the aim scripts/bench.py sets on the CPU."""
+
+
 def flops_per_token(cfg) -> float:
     """6 N (matmul parameters, the tied output head included) + 12 L T d (attention scores and values)."""
     d, L, T = cfg.dim, cfg.n_layers, cfg.seq_len
@@ -102,7 +106,7 @@ def throughput(work: Path, base: list[str], steps: int, device: str) -> list[dic
     mfu = achieved / (peak * 1e12) if peak else float("nan")
     return [{"check": f"MiniMind2-small shape, bf16, 1 process, {name}", "result": f"{tps:,.0f} tokens/s",
              "detail": f"{achieved / 1e12:.1f} TFLOP/s = MFU {mfu:.1%} of {peak} TFLOP/s (bf16 dense)" if peak else f"{achieved / 1e12:.2f} TFLOP/s (peak unknown: set GPU_PEAK_TFLOPS)",
-             "ok": True, "tokens_per_s": tps, "mfu": mfu}]
+             "ok": None, "tokens_per_s": tps, "mfu": mfu}]  # a report: no aim, no verdict
 
 
 def stalls(work: Path, base: list[str], steps: int) -> list[dict]:
@@ -115,8 +119,9 @@ def stalls(work: Path, base: list[str], steps: int) -> list[dict]:
             return [{"check": "save stall", "result": f"FAILED (exit {code})", "detail": "see launches.log", "ok": False}]
         pattern = r"snapshot taken in ([\d.]+)s" if mode == "true" else r"saved \S+: step \d+, ([\d.]+)s"
         found[mode] = statistics.median(float(x) for x in re.findall(pattern, err)[1:] or re.findall(pattern, err))
+    ratio = found["true"] / found["false"]
     return [{"check": "save stall at a step boundary, MiniMind2-small shape", "result": f"async {found['true'] * 1e3:.0f} ms vs sync {found['false'] * 1e3:.0f} ms",
-             "detail": f"ratio {found['true'] / found['false']:.3f} (aim <= 0.2)", "ok": True}]
+             "detail": f"ratio {ratio:.3f} (aim <= {STALL_AIM})", "ok": ratio <= STALL_AIM, "ratio": ratio}]
 
 
 def main() -> int:
@@ -152,7 +157,8 @@ def main() -> int:
         print(f"| {r['check']} | {r['result']} | {r['detail']} |")
     (out_dir / "gpu_check.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     shutil.copy(work / "launches.log", out_dir / "launches.log")
-    return 0 if all(r["ok"] for r in rows) else 1
+    # Every verdict is computed from the row's measured values against its aim; report rows (ok None) have none.
+    return 0 if all(r["ok"] for r in rows if r["ok"] is not None) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The GPU check, prepared to run once on a lent GPU machine (under 5 minutes on one GPU):
 #   bash scripts/gpu_check.sh            # on a machine with CUDA
 #   bash scripts/gpu_check.sh --cpu-dry-run   # the same plan, shrunk, on a CPU: checks the script
-# It uses the python that has torch with CUDA (the GPU machine's own, torch >= 2.4, no package
+# It uses the python that has torch with CUDA (the GPU machine's own, torch with CUDA, no package
 # registry there), or this checkout's .venv when that one sees a GPU. Prints one table; writes
 # gpu_check.json and launches.log into $OUT (or runs/gpu_check).
 set -uo pipefail

@@ -12,6 +12,32 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+UNIT_STEP_LIMIT = 8
+"""The most optimizer steps a unit test may train in this process (docs/tests.md, "Tiers")."""
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process_and_train_a_few_steps_at_most(request, monkeypatch):
+    """The unit tier means what it says: a test marked unit that starts a process (subprocess,
+    multiprocessing) fails, and so does one whose in-process run trains more than UNIT_STEP_LIMIT
+    steps. Such a test belongs in e2e."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is marked unit but starts a process: mark it e2e")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(launch, "STEP_LIMIT", UNIT_STEP_LIMIT)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_launch_outlives_its_test():
     """A test that fails while a launch it started is still running (a timed-out wait) must not leave
@@ -96,10 +122,21 @@ def train_cli(*args: str):
     return subprocess.run([sys.executable, "-m", "data.tokenizer", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+def train_in_process(*args: str) -> int:
+    """The same command's main() in this process (tests/test_tokenizers.py runs the real command)."""
+    import contextlib
+    import io
+
+    from data.tokenizer.__main__ import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["train", *args])
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, corpus) -> Path:
-    """A 400-id byte-level BPE trained on the test corpus by the command users run: its folder's tokenizer.json."""
+    """A 400-id byte-level BPE trained on the test corpus by the command users run (its main(), in this
+    process): its folder's tokenizer.json."""
     out = tmp_path_factory.mktemp("tok") / "a"
-    proc = train_cli("--vocab-size", "400", "--out", str(out), str(corpus))
-    assert proc.returncode == 0, proc.stderr
+    assert train_in_process("--vocab-size", "400", "--out", str(out), str(corpus)) == 0
     return out / "tokenizer.json"

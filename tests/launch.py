@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TIMEOUT = 300  # no launch may hang a test run
+STEP_LIMIT: int | None = None  # set for unit tests (conftest): the most steps in_process may train
 SLOW_SAVE = "scripts/slow_save_train.py"  # train.py on a slow disk (every checkpoint file takes SLOW_SAVE_S longer)
 
 
@@ -55,6 +56,39 @@ def assert_same_as_reference_at(out: Path, ref: Path, step: int | None = None) -
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert [m.get("sample_ids") for m in got] == [m.get("sample_ids") for m in want]
     assert sha_at(out, step) == sha_at(ref, step)
+
+
+def assert_identical(out: Path, ref: Path) -> None:
+    """`out` is the uninterrupted `ref`: the same steps, every logged loss (and sample ids, where
+    logged) equal, and the newest checkpoint's model_sha256 equal."""
+    got, want = metrics(out), metrics(ref)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+    assert [m.get("sample_ids") for m in got] == [m.get("sample_ids") for m in want]
+    assert inspect(out)["model_sha256"] == inspect(ref)["model_sha256"]
+
+
+def assert_same_state(a, b, where: str = "", ignore: frozenset[str] = frozenset()) -> None:
+    """Two loaded resume files (or any nesting of dicts, lists and tensors) are equal leaf for leaf:
+    the same keys on both sides (an empty optimizer state on one side fails), tensors equal in
+    dtype, shape and every bit. `ignore`: dotted paths that may differ (e.g. "run_id")."""
+    import torch
+
+    if where in ignore:
+        return
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}.{k}" if where else str(k), ignore)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]", ignore)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: tensors differ"
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def losses(out: Path) -> list[float]:
@@ -155,4 +189,8 @@ def in_process(*overrides: str) -> tuple[int, str]:
     with contextlib.redirect_stderr(err):
         code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides])
     logging.basicConfig(handlers=[logging.StreamHandler()], level=logging.WARNING, force=True)  # off the StringIO
+    if STEP_LIMIT is not None:  # a unit test: count the steps the run folder logged
+        outs = [o.split("=", 1)[1] for o in overrides if o.startswith("out_dir=")]
+        trained = lines(Path(outs[-1]) / "metrics.jsonl") if outs else 0
+        assert trained <= STEP_LIMIT, f"a unit test trained {trained} steps in process (at most {STEP_LIMIT}): mark it e2e"
     return code, err.getvalue()

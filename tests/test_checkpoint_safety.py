@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import launch
-from checkpoint import storage as io
+from checkpoint import storage
 from inference import generate, load_model
 
 
@@ -30,7 +30,7 @@ def reference12(tmp_path_factory, short):
 
 
 def damage(folder, how):
-    target = folder / io.RESUME_FILE
+    target = folder / storage.RESUME_FILE
     if how == "flipped byte":
         data = bytearray(target.read_bytes())
         data[len(data) // 3] ^= 0x10
@@ -38,18 +38,18 @@ def damage(folder, how):
     elif how == "truncated":
         target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     elif how == "missing file":
-        (folder / io.WEIGHTS_FILE).unlink()
+        (folder / storage.WEIGHTS_FILE).unlink()
     elif how == "manifest that does not parse":
-        (folder / io.MANIFEST).write_text('{"files": ')
+        (folder / storage.MANIFEST).write_text('{"files": ')
 
 
 def reseal(folder):
     """Rewrite the manifest so that it matches the files: what an attacker handing you a file would do."""
-    manifest = json.loads((folder / io.MANIFEST).read_text())
+    manifest = json.loads((folder / storage.MANIFEST).read_text())
     for name in manifest["files"]:
         data = (folder / name).read_bytes()
         manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / io.MANIFEST).write_text(json.dumps(manifest))
+    (folder / storage.MANIFEST).write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("how", ["flipped byte", "truncated", "missing file", "manifest that does not parse"])
@@ -71,7 +71,7 @@ def test_an_explicit_path_to_a_damaged_checkpoint_is_an_error_naming_the_file(tm
     damage(folder, "flipped byte")
     code, err = launch.in_process(*short, f"checkpoint.resume={folder}", f"out_dir={tmp_path / 'other'}")
     assert code == 1
-    assert f"{folder / io.RESUME_FILE}: sha256" in err and "does not match the manifest" in err
+    assert f"{folder / storage.RESUME_FILE}: sha256" in err and "does not match the manifest" in err
 
 
 def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(tmp_path, short):
@@ -83,18 +83,18 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    state = torch.load(folder / io.RESUME_FILE, weights_only=True)
+    state = torch.load(folder / storage.RESUME_FILE, weights_only=True)
     state["train"] = Payload()
-    torch.save(state, folder / io.RESUME_FILE)
-    torch.save({"tok_embeddings.weight": Payload()}, folder / io.WEIGHTS_FILE)
+    torch.save(state, folder / storage.RESUME_FILE)
+    torch.save({"tok_embeddings.weight": Payload()}, folder / storage.WEIGHTS_FILE)
     reseal(folder)  # the manifest vouches for the files: it must not matter
-    io.verify(folder)
+    storage.verify(folder)
 
     code, err = launch.in_process(*short, f"out_dir={tmp_path}")
     assert code == 1 and "resume.pth: not a plain checkpoint" in err and "refused without running them" in err
-    with pytest.raises(io.CheckpointError, match="not a plain checkpoint"):
+    with pytest.raises(storage.CheckpointError, match="not a plain checkpoint"):
         launch.inspect(folder)
-    with pytest.raises(io.CheckpointError, match="weights_fp16.pth: not a plain checkpoint"):
+    with pytest.raises(storage.CheckpointError, match="weights_fp16.pth: not a plain checkpoint"):
         load_model(folder)
     assert not marker.exists()
 
@@ -108,11 +108,11 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
 ])
 def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field(tmp_path, short, change, expected):
     launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
-    before = (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes()
+    before = (tmp_path / "checkpoints" / "step_00000004" / storage.RESUME_FILE).read_bytes()
     code, err = launch.in_process(*short, change, f"out_dir={tmp_path}")
     assert code == 2 and "cannot resume this run from it" in err and expected in err
-    assert (tmp_path / "checkpoints" / "step_00000004" / io.RESUME_FILE).read_bytes() == before
-    assert [s for s, _ in io.list_checkpoints(tmp_path / "checkpoints")] == [4]
+    assert (tmp_path / "checkpoints" / "step_00000004" / storage.RESUME_FILE).read_bytes() == before
+    assert [s for s, _ in storage.list_checkpoints(tmp_path / "checkpoints")] == [4]
 
 
 def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, short, corpus):
@@ -125,27 +125,27 @@ def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, shor
 
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, monkeypatch, async_save):
-    real = io._write_file
+    real = storage._write_file
 
     def disk_full(path, obj, *rest):
-        if "step_00000008" in str(path) and path.name == io.WEIGHTS_FILE:
+        if "step_00000008" in str(path) and path.name == storage.WEIGHTS_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, obj, *rest)
 
-    monkeypatch.setattr(io, "_write_file", disk_full)
+    monkeypatch.setattr(storage, "_write_file", disk_full)
     code, err = launch.in_process(*short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
     assert code == 1
     assert "saving step 8 to" in err and "step_00000008 failed" in err and "No space left on device" in err
     ckpts = tmp_path / "checkpoints"
-    assert [s for s, _ in io.list_checkpoints(ckpts)] == [4] and not any(ckpts.glob(".tmp-*"))
-    io.verify(ckpts / "step_00000004")
+    assert [s for s, _ in storage.list_checkpoints(ckpts)] == [4] and not any(ckpts.glob(".tmp-*"))
+    storage.verify(ckpts / "step_00000004")
     # no training on without checkpoints: a sync save fails at step 8, an async one at the next boundary
     assert launch.metrics(tmp_path)[-1]["step"] == (8 if async_save == "false" else 9)
 
 
 def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely(reference12):
     model = load_model(reference12)
-    state = io.safe_load(reference12 / "checkpoints" / "step_00000012" / io.RESUME_FILE)["model"]
+    state = storage.safe_load(reference12 / "checkpoints" / "step_00000012" / storage.RESUME_FILE)["model"]
     full = type(model)(model.cfg)
     full.load_state_dict(state)
     x = torch.randint(0, 256, (2, 32))

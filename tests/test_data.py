@@ -13,20 +13,20 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("text", ["", "hello", "naïve café – 日本語 🚀", "tabs\tand\nnewlines\r\n", "\x00\x7f"])
 def test_any_utf8_text_round_trips_through_the_byte_tokenizer(text):
-    ids = tokenizer.encode(text, bos=True, eos=True)
+    ids = tokenizer.ByteTokenizer().encode(text, bos=True, eos=True)
     assert ids[0] == tokenizer.BOS and ids[-1] == tokenizer.EOS
     assert all(0 <= i < tokenizer.VOCAB_SIZE for i in ids)
-    assert tokenizer.decode(ids) == text
+    assert tokenizer.ByteTokenizer().decode(ids) == text
 
 
 def test_special_tokens_never_collide_with_a_byte_and_the_model_has_a_row_for_every_id():
     from model import ModelConfig
 
     every_byte = bytes(range(256)).decode("latin-1")  # 256 characters, whose UTF-8 covers 128 bytes plus lead bytes
-    ids = tokenizer.encode(every_byte, bos=True, eos=True)
+    ids = tokenizer.ByteTokenizer().encode(every_byte, bos=True, eos=True)
     specials = {tokenizer.BOS, tokenizer.EOS, tokenizer.PAD}
     assert len(specials) == 3 and not specials & set(ids[1:-1])
-    assert tokenizer.decode([tokenizer.BOS, *ids, tokenizer.PAD, tokenizer.EOS]) == every_byte  # specials are dropped
+    assert tokenizer.ByteTokenizer().decode([tokenizer.BOS, *ids, tokenizer.PAD, tokenizer.EOS]) == every_byte  # specials are dropped
     assert max(specials) < tokenizer.VOCAB_SIZE <= ModelConfig().vocab_size
 
 
@@ -38,7 +38,7 @@ def write_jsonl(path, texts):
 def test_documents_are_framed_joined_and_cut_into_samples_of_seq_len_plus_one(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", ["abc", "de", "fghij"])
     bin_path, meta = pack(src, seq_len=4, cache_dir=tmp_path / "cache")
-    stream = tokenizer.encode("abc", True, True) + tokenizer.encode("de", True, True) + tokenizer.encode("fghij", True, True)
+    stream = tokenizer.ByteTokenizer().encode("abc", True, True) + tokenizer.ByteTokenizer().encode("de", True, True) + tokenizer.ByteTokenizer().encode("fghij", True, True)
     assert len(stream) == 16 and meta["num_samples"] == 3  # 16 // 5, the tail of 1 token dropped
     data = np.fromfile(bin_path, dtype=np.uint16)
     assert data.tolist() == stream[:15]

@@ -38,7 +38,7 @@ def test_loss_equals_a_hand_computed_cross_entropy():
     logits, loss = m(x, y)
     logp = logits.double().log_softmax(-1)
     hand = -logp.gather(-1, y.unsqueeze(-1)).mean()
-    assert math.isclose(loss.item(), hand.item(), rel_tol=1e-6)
+    assert math.isclose(loss.item(), hand.item(), rel_tol=3e-7)  # fp32 vs fp64: measured 3.4e-8 relative here
     # and before any training it is close to the uniform guess
     assert abs(loss.item() - math.log(CFG.vocab_size)) < 0.5
 
@@ -52,7 +52,7 @@ def test_grouped_query_attention_has_fewer_key_value_heads_than_query_heads():
     assert logits.shape == (2, 8, 259)
 
 
-def test_grouped_attention_equals_full_attention_with_repeated_key_value_weights():
+def test_grouped_attention_equals_full_attention_with_repeated_key_value_weights_bit_for_bit():
     torch.manual_seed(0)
     gqa = MiniMindLM(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=8)).eval()
     mha = MiniMindLM(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, seq_len=8)).eval()
@@ -63,7 +63,7 @@ def test_grouped_attention_equals_full_attention_with_repeated_key_value_weights
         sd[f"layers.0.attention.{k}.weight"] = w.repeat_interleave(2, dim=0).reshape(4 * hd, 32)
     mha.load_state_dict(sd)
     x = torch.randint(0, 256, (2, 8))
-    assert torch.allclose(gqa(x)[0], mha(x)[0], atol=1e-6)
+    assert torch.equal(gqa(x)[0], mha(x)[0])  # the same products in the same order: equal, not close
 
 
 def test_embedding_is_tied_to_the_output_head_and_counted_once():
@@ -91,8 +91,12 @@ def test_dropout_is_off_by_default_and_draws_from_the_seeded_generator_when_on()
     torch.manual_seed(6)
     c, _ = m(x)
     assert torch.equal(a, b) and not torch.equal(a, c)
+    # In eval mode dropout is off: the output is the same model's without dropout, whatever the generator says.
     m.eval()
-    assert torch.equal(m(x)[0], m(x)[0])
+    plain = MiniMindLM(CFG).eval()
+    plain.load_state_dict(m.state_dict())
+    torch.manual_seed(7)
+    assert torch.equal(m(x)[0], plain(x)[0])
 
 
 @pytest.mark.parametrize("bad, key", [({"dim": 30}, "model.dim"), ({"n_kv_heads": 3}, "model.n_heads"), ({"dropout": 1.0}, "model.dropout")])

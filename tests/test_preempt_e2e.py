@@ -15,11 +15,6 @@ from checkpoint.storage import list_checkpoints, verify
 pytestmark = pytest.mark.e2e
 
 
-def assert_identical(out, ref):
-    assert launch.losses(out) == launch.losses(ref)
-    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
-
-
 def test_sigterm_mid_run_saves_at_the_step_the_ranks_agreed_on_and_the_resume_is_bit_identical(tmp_path, epochs, reference):
     out = tmp_path / "run"
     # A slow disk (every step saved, each file 0.1 s longer) keeps the run going long after the signal.
@@ -35,7 +30,7 @@ def test_sigterm_mid_run_saves_at_the_step_the_ranks_agreed_on_and_the_resume_is
     assert list_checkpoints(out / "checkpoints")[0][0] == stopped
     launch.assert_same_as_reference_at(out, reference(2), stopped)
     launch.run(2, *args)
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def test_sigkill_at_a_random_step_resumes_from_the_last_interval_checkpoint_bit_identically(tmp_path, epochs, reference):
@@ -51,7 +46,7 @@ def test_sigkill_at_a_random_step_resumes_from_the_last_interval_checkpoint_bit_
     assert newest % 3 == 0 and newest < 20
     resumed = launch.run(2, *args)
     assert f"step {newest} resumes at sample" in resumed.stderr
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def test_a_kill_while_a_checkpoint_is_being_written_leaves_the_previous_one_intact(tmp_path, epochs, reference):
@@ -67,7 +62,7 @@ def test_a_kill_while_a_checkpoint_is_being_written_leaves_the_previous_one_inta
     resumed = launch.run(0, *epochs, "checkpoint.interval=4", f"out_dir={out}")
     assert "left by an interrupted save" in resumed.stderr
     assert not any(ckpts.glob(".tmp-*"))
-    assert_identical(out, reference(0))
+    launch.assert_identical(out, reference(0))
 
 
 def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(tmp_path, epochs):
@@ -176,7 +171,7 @@ def test_torchrun_restarts_sigkilled_workers_and_they_resume_by_themselves(tmp_p
     assert proc.wait(timeout=120) == 0
     log = (tmp_path / "log").read_text()
     assert log.count("loaded ") == 1 and "step_00000008: step 8" in log  # the restarted workers found it themselves
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def free_port() -> int:
@@ -221,7 +216,7 @@ def test_two_torchrun_nodes_restart_a_killed_worker_and_resume_with_only_global_
     assert "".join(p.read_text() for p in tmp_path.glob("node*.log")).count("loaded ") == 1  # the restart's
     assert [p.wait(timeout=180) for p in two_nodes()] == [0, 0]
     assert not node1_dir.exists() or not any(node1_dir.rglob("*"))
-    assert_identical(shared, reference(2))
+    launch.assert_identical(shared, reference(2))
 
 
 @pytest.mark.elastic
@@ -229,7 +224,7 @@ def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, ep
     """A spot node taken away with its agent: the surviving node's torchrun restarts its worker, a
     replacement node joins the rendezvous, and both resume from the newest checkpoint. torch 2.13 does
     not announce its shared worker store to a node that joins later, so elastic jobs that replace
-    nodes run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, "A node that is replaced")."""
+    nodes run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/preemption.md, "A node that is replaced")."""
     shared, port, env = tmp_path / "shared", free_port(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     args = ["--max-restarts=1", launch.SLOW_SAVE, *epochs, "checkpoint.interval=4"]  # slow saves: the kill lands early
     env["SLOW_SAVE_S"] = "0.2"
@@ -247,4 +242,4 @@ def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, ep
     assert [survivor.wait(timeout=180), replacement.wait(timeout=60)] == [0, 0]
     logs = "".join(p.read_text() for p in tmp_path.glob("node*.log"))
     assert logs.count("loaded ") == 1  # rank 0 of the new rendezvous found the checkpoint by itself
-    assert_identical(shared, reference(2))
+    launch.assert_identical(shared, reference(2))

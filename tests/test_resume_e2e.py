@@ -23,19 +23,29 @@ def segments(nproc_and_halts, epochs, out, *extra):
     return procs
 
 
-def assert_identical(out, ref):
-    got, want = launch.metrics(out), launch.metrics(ref)
-    assert [m["loss"] for m in got] == [m["loss"] for m in want]
-    assert [m["sample_ids"] for m in got] == [m["sample_ids"] for m in want]
-    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
+@pytest.fixture(scope="module")
+def in_process_reference(tmp_path_factory, epochs):
+    """The uninterrupted run of `epochs` in this process (the same code path as a launch)."""
+    out = tmp_path_factory.mktemp("ref-in-process")
+    assert launch.in_process(*epochs, f"out_dir={out}")[0] == 0
+    return out
 
 
-def test_one_process_halted_at_an_epoch_boundary_and_mid_epoch_resumes_bit_identically(tmp_path, epochs, reference):
-    procs = segments([(0, 8), (0, 13), (0, None)], epochs, tmp_path)
-    assert "step 8 resumes at sample 0 of epoch 1, skipping 0 micro-batches per rank" in procs[1].stderr
-    assert "step 13 resumes at sample 40 of epoch 1, skipping 20 micro-batches per rank" in procs[2].stderr
-    assert_identical(tmp_path, reference(0))
+def test_a_run_halted_twice_in_process_equals_the_uninterrupted_one(tmp_path, epochs, in_process_reference):
+    """Halted at the epoch boundary (8) and mid-epoch (13), resumed each time with a fresh model,
+    optimizer and manager, equal to the uninterrupted run in every loss, every step's sample ids and
+    the final weights. In this process: the fast proof the mutants lean on (scripts/mutants.sh); the
+    launched tests below prove the same across processes and world sizes."""
+    errs = []
+    for halt in ("train.halt_at=8", "train.halt_at=13", None):
+        code, err = launch.in_process(*epochs, *([halt] if halt else []), f"out_dir={tmp_path}")
+        assert code == 0
+        errs.append(err)
+    assert "step 8 resumes at sample 0 of epoch 1, skipping 0 micro-batches per rank" in errs[1]
+    assert "step 13 resumes at sample 40 of epoch 1, skipping 20 micro-batches per rank" in errs[2]
+    assert [m["step"] for m in launch.metrics(tmp_path)] == list(range(1, 21))
     assert launch.metrics(tmp_path)[-1]["epoch"] == 2  # the last segment crossed into the next epoch
+    launch.assert_identical(tmp_path, in_process_reference)
 
 
 def test_two_processes_halted_twice_mid_epoch_resume_bit_identically(tmp_path, epochs, reference):
@@ -49,7 +59,7 @@ def test_two_processes_halted_twice_mid_epoch_resume_bit_identically(tmp_path, e
 
 def test_dataloader_workers_prefetching_still_resume_into_that_epochs_order(tmp_path, epochs, reference):
     segments([(0, 11), (0, None)], epochs, tmp_path, "data.num_workers=2")
-    assert_identical(tmp_path, reference(0))
+    launch.assert_identical(tmp_path, reference(0))
 
 
 def test_world_size_two_to_one_to_two_is_sample_exact_and_close_in_weights(tmp_path, epochs, reference):

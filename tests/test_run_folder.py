@@ -11,14 +11,9 @@ import subprocess
 import pytest
 
 import launch
-from checkpoint import runfolder, storage as io
+from checkpoint import runfolder, storage
 
 pytestmark = pytest.mark.e2e
-
-
-def assert_identical(out, ref):
-    assert launch.losses(out) == launch.losses(ref)
-    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
 
 
 def snapshot(folder):
@@ -52,7 +47,7 @@ def test_a_second_launch_on_a_held_folder_waits_then_refuses_naming_the_holder_a
     assert "another run is using this folder" in second.stderr and "Traceback" not in second.stderr
     assert first.wait(timeout=120) == 0
     assert [m["step"] for m in launch.metrics(out)] == list(range(1, 21))
-    assert_identical(out, reference(0))
+    launch.assert_identical(out, reference(0))
     assert runfolder.read_status(out)["state"] == "finished"
 
 
@@ -66,13 +61,13 @@ def test_a_relaunch_while_the_first_run_is_inside_a_slowed_save_waits_for_it_and
     first.wait(timeout=60)
     assert "is held by pid" in second.stderr and "left by an interrupted save" not in second.stderr  # it waited
     assert "stopped on SIGTERM" in (tmp_path / "first.log").read_text()  # the first saved and left on its own
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def test_when_every_checkpoint_is_damaged_the_run_stops_with_each_fault_and_trains_and_deletes_nothing(tmp_path, epochs, halted):
     out = copy_of(halted, tmp_path)
     for step in (4, 8):
-        target = out / "checkpoints" / f"step_{step:08d}" / io.RESUME_FILE
+        target = out / "checkpoints" / f"step_{step:08d}" / storage.RESUME_FILE
         target.write_bytes(target.read_bytes()[:100])
     before = snapshot(out)
     proc = launch.run(0, *epochs, "checkpoint.interval=4", f"out_dir={out}", expect=1)
@@ -97,17 +92,17 @@ def test_resume_never_in_a_folder_that_holds_checkpoints_is_an_error_that_delete
 def test_a_symlinked_step_folder_is_skipped_and_nothing_outside_is_opened_or_deleted(tmp_path, epochs, halted, reference):
     out, outside = copy_of(halted, tmp_path), tmp_path / "outside"
     shutil.copytree(out / "checkpoints" / "step_00000008", outside / "step_00000040")  # valid, and newest by name
-    manifest = json.loads((outside / "step_00000040" / io.MANIFEST).read_text())
-    (outside / "step_00000040" / io.MANIFEST).write_text(json.dumps({**manifest, "step": 40}))
-    io.verify(outside / "step_00000040")
+    manifest = json.loads((outside / "step_00000040" / storage.MANIFEST).read_text())
+    (outside / "step_00000040" / storage.MANIFEST).write_text(json.dumps({**manifest, "step": 40}))
+    storage.verify(outside / "step_00000040")
     link = out / "checkpoints" / "step_00000040"
     link.symlink_to(outside / "step_00000040", target_is_directory=True)
     before = snapshot(outside)
     proc = launch.run(0, *epochs, "checkpoint.interval=4", "checkpoint.keep=2", f"out_dir={out}")
     assert "step_00000040: a symbolic link" in proc.stderr and "step 8 resumes at sample" in proc.stderr
     assert snapshot(outside) == before and link.is_symlink()  # pruning (keep=2) went past it
-    assert [s for s, _ in io.list_checkpoints(out / "checkpoints")] == [20, 16]
-    assert_identical(out, reference(0))
+    assert [s for s, _ in storage.list_checkpoints(out / "checkpoints")] == [20, 16]
+    launch.assert_identical(out, reference(0))
 
 
 @pytest.mark.parametrize("target", ["the whole tree", "torchrun alone"])
@@ -127,7 +122,7 @@ def test_sigterm_makes_scripts_train_sh_exit_75_and_running_it_again_ends_bit_id
     code = subprocess.run(["bash", "scripts/train.sh", *epochs, f"out_dir={out}"], cwd=launch.ROOT, capture_output=True,
                           timeout=300).returncode
     assert code == 0
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
     status = subprocess.run([launch.PY, "-m", "checkpoint", "status", str(out)], cwd=launch.ROOT, capture_output=True, text=True)
     assert json.loads(status.stdout)["state"] == "finished" and json.loads(status.stdout)["held_by"] is None
 
@@ -192,8 +187,8 @@ def test_the_refusal_of_pickled_code_does_not_suggest_weights_only_false(tmp_pat
     import torch
 
     torch.save({"x": Payload()}, tmp_path / "evil.pth")
-    with pytest.raises(io.CheckpointError) as e:
-        io.safe_load(tmp_path / "evil.pth")
+    with pytest.raises(storage.CheckpointError) as e:
+        storage.safe_load(tmp_path / "evil.pth")
     assert "refused without running them" in str(e.value) and "weights_only" not in str(e.value)
 
 
@@ -204,9 +199,9 @@ def run_cli(*args):
 def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path, halted):
     out = copy_of(halted, tmp_path)
     folder = out / "checkpoints" / "step_00000008"
-    manifest = json.loads((folder / io.MANIFEST).read_text())
-    manifest["files"][io.RESUME_FILE] = "not an entry"
-    (folder / io.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((folder / storage.MANIFEST).read_text())
+    manifest["files"][storage.RESUME_FILE] = "not an entry"
+    (folder / storage.MANIFEST).write_text(json.dumps(manifest))
     for verb in ("inspect", "generate"):
         proc = run_cli(verb, folder)
         assert proc.returncode == 2 and "the entry for resume.pth is not" in proc.stderr and "Traceback" not in proc.stderr
@@ -221,3 +216,20 @@ def test_compare_tells_an_unreadable_metrics_file_from_runs_that_differ(tmp_path
     (b / "metrics.jsonl").write_text("{not json\n")
     proc = run_cli("compare", a, b)
     assert proc.returncode == 2 and "metrics.jsonl:1: not a metrics line" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_folder_locked_by_another_process_is_refused_naming_it(tmp_path):
+    """The lock on its own, in seconds: another process holds out_dir; acquiring it here waits the
+    timeout, then refuses naming that process; once it is gone the folder is free."""
+    holder = subprocess.Popen(
+        [launch.PY, "-c", "import sys, time; from pathlib import Path; from checkpoint import runfolder; "
+                          "runfolder.acquire(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        cwd=launch.ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(runfolder.RunFolderError, match=f"is held by pid {holder.pid} on host .*waited 0.3 s"):
+            runfolder.acquire(tmp_path, 0.3, poll_s=0.05)
+    finally:
+        holder.kill()
+        holder.wait()
+    runfolder.acquire(tmp_path, 5).release()

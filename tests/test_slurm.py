@@ -60,11 +60,6 @@ def wait_steps(out, n: int, job_id: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def assert_identical(out, ref):
-    assert launch.losses(out) == launch.losses(ref)
-    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
-
-
 SLOW = {"TRAIN_PY": launch.SLOW_SAVE, "SLOW_SAVE_S": "0.15"}  # every step saved, each file 0.15 s longer
 
 
@@ -84,7 +79,7 @@ def test_a_job_requeued_twice_at_random_steps_finishes_with_the_uninterrupted_sh
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", log[-3000:]
     assert "restart 1 (SLURM_RESTART_COUNT)" in log and "restart 2 (SLURM_RESTART_COUNT)" in log
     assert log.count("loaded ") == 2
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def test_a_time_limit_warning_saves_requeues_the_job_and_it_finishes_bit_identical(tmp_path, epochs, reference):
@@ -100,7 +95,7 @@ def test_a_time_limit_warning_saves_requeues_the_job_and_it_finishes_bit_identic
     assert "time-limit warning (USR1)" in log and "requeueing job" in log
     stopped = int(re.search(r"stopped on SIGTERM at step (\d+)", log).group(1))
     assert stopped < 20 and f"loaded {out}/checkpoints/step_{stopped:08d}" in log  # mid-run, and resumed there
-    assert_identical(out, reference(2))
+    launch.assert_identical(out, reference(2))
 
 
 def test_a_job_with_a_config_error_fails_once_and_is_not_requeued(tmp_path, epochs):

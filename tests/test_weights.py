@@ -56,7 +56,7 @@ print(json.dumps({"version": transformers.__version__, "class": type(model).__na
 """
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 @pytest.mark.parametrize("line", ["5.x", "4.57"])
 def test_an_hf_export_read_by_transformers_gives_our_fp32_logits(tmp_path, run, trained, line):
     env = dict(os.environ)
@@ -90,7 +90,7 @@ def test_an_hf_export_read_by_transformers_gives_our_fp32_logits(tmp_path, run, 
     assert again.returncode == 2 and "exists" in again.stderr
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_a_minimind_export_has_minimind2s_keys_in_fp16_and_loads_back_through_init_from(tmp_path, run, tiny, trained):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,7 +124,7 @@ def test_a_minimind_export_has_minimind2s_keys_in_fp16_and_loads_back_through_in
     assert record["step"] == 1
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_init_from_with_a_missing_an_extra_key_or_a_wrong_shape_is_an_error_naming_each(tmp_path, run, tiny, trained):
     proc = export(run, "--format", "minimind", "--out", tmp_path / "ok.pth")
     assert proc.returncode == 0, proc.stderr
@@ -173,7 +173,10 @@ def test_cached_and_uncached_greedy_generation_give_the_same_tokens_and_position
     cached = generate_ids(model, prompt, None, temperature=0.0, use_cache=True)
     uncached = generate_ids(model, prompt, None, temperature=0.0, use_cache=False)
     assert len(cached) == model.cfg.seq_len and cached == uncached  # eos=None: up to every position the tables cover
-    sampled = [generate_ids(model, prompt, 20, 0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=s) for s in (0, 0, 1)]
+    sampled = []
+    for global_seed, seed in ((1, 0), (2, 0), (1, 1)):  # the global generator moved between calls: it must not matter
+        torch.manual_seed(global_seed)
+        sampled.append(generate_ids(model, prompt, 20, 0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=seed))
     assert sampled[0] == sampled[1] != sampled[2]
     with pytest.raises(ValueError, match=r"need 33 positions, but the rotary tables cover model.seq_len=32: ask for at most 28"):
         generate_ids(model, prompt, 29)
@@ -188,12 +191,13 @@ def test_the_kv_cache_appending_several_positions_at_once_matches_the_full_forwa
         full = model(tokens)[0]
         cache = KVCache(model, batch=2)
         parts = [model(tokens[:, a:b], cache=cache)[0] for a, b in ((0, 5), (5, 6), (6, 13), (13, 16))]
-    assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-5
+    # Another summation order in attention (a cache of k positions, not the whole row): measured 1.2e-7 here.
+    assert (torch.cat(parts, 1) - full).abs().max().item() < 1.2e-6
     with pytest.raises(ValueError, match="past the 16 positions"):
         model(tokens[:, :1], cache=cache)
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_init_from_reads_our_run_and_checkpoint_folders_fp16_files_and_hf_folders(tmp_path, run):
     import weights
     from inference import load_model
@@ -211,3 +215,59 @@ def test_init_from_reads_our_run_and_checkpoint_folders_fp16_files_and_hf_folder
     other = MiniMindLM(ModelConfig(**{**fp32.cfg.__dict__, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="rope_theta 1000000.0 there, model.rope_theta=10000.0 here"):
         weights.init_from(other, tmp_path / "hf")
+
+
+@pytest.mark.e2e
+def test_an_hf_folder_of_another_architecture_is_refused_naming_each_difference_with_nothing_written(tmp_path, run, tiny, trained):
+    """8 heads of 4 (with 4 KV heads) fit the tensors of 4 heads of 8 exactly: only config.json tells
+    them apart, and a model that loaded them would compute something else."""
+    import weights
+
+    folder = weights.export(run, "hf", tmp_path / "hf")
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
+                                                    "rms_norm_eps": 1e-6, "tie_word_embeddings": False}))
+    out = tmp_path / "r"
+    code, err = launch.in_process(*tiny, f"data.tokenizer={trained}", f"model.init_from={folder}", f"out_dir={out}")
+    assert code == 2 and "Traceback" not in err
+    for diff in ("num_attention_heads 8 there, model.n_heads=4 here", "num_key_value_heads 4 there, model.n_kv_heads=2 here",
+                 "head_dim 4 there, model.dim / model.n_heads=8 here", "rms_norm_eps 1e-06 there, model.norm_eps=1e-05 here",
+                 "tie_word_embeddings False there"):
+        assert diff in err, diff
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "status.json"]  # nothing but the run folder's own record
+
+
+@pytest.mark.e2e
+def test_init_from_tensors_that_are_not_float_or_not_finite_and_a_pickled_pth_are_bad_input(tmp_path, run, tiny, trained):
+    import weights
+
+    state = storage.safe_load(weights.export(run, "minimind", tmp_path / "ok.pth"))
+    cases = {"nan.pth": ("model.norm.weight", torch.full_like(state["model.norm.weight"], float("nan")), "model.norm.weight (holds NaN or inf)"),
+             "int.pth": ("model.layers.0.input_layernorm.weight", torch.ones(32, dtype=torch.int64),
+                         "model.layers.0.input_layernorm.weight (torch.int64)")}
+    for name, (key, value, expected) in cases.items():
+        torch.save({**state, key: value}, tmp_path / name)
+        code, err = launch.in_process(*tiny, f"data.tokenizer={trained}", f"model.init_from={tmp_path / name}", f"out_dir={tmp_path / name}.run")
+        assert code == 2 and expected in err and "Traceback" not in err, err[-2000:]
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model.norm.weight": Payload()}, tmp_path / "evil.pth")
+    code, err = launch.in_process(*tiny, f"data.tokenizer={trained}", f"model.init_from={tmp_path / 'evil.pth'}", f"out_dir={tmp_path / 'evil'}")
+    assert code == 2 and "not a plain checkpoint" in err and not marker.exists()
+
+
+@pytest.mark.e2e
+def test_the_recorded_source_of_an_hf_folder_covers_its_config_json(tmp_path, run):
+    import weights
+
+    a = weights.export(run, "hf", tmp_path / "a")
+    b = weights.export(run, "hf", tmp_path / "b")
+    hf = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps({**hf, "initializer_range": 0.01}))  # not architectural: accepted, but another source
+    model = fp32_model(run)
+    ra, rb = weights.init_from(MiniMindLM(model.cfg), a), weights.init_from(MiniMindLM(model.cfg), b)
+    assert ra["files"]["model.safetensors"] == rb["files"]["model.safetensors"] and ra["sha256"] != rb["sha256"]

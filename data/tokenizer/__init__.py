@@ -32,17 +32,6 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used; the message names the file and what was expected."""
 
 
-def encode(text: str, bos: bool = False, eos: bool = False) -> list[int]:
-    """Byte-tokenizer ids of `text`, optionally framed by BOS/EOS."""
-    ids = list(text.encode("utf-8"))
-    return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
-
-
-def decode(ids: list[int]) -> str:
-    """Text of byte-tokenizer `ids`; special tokens are dropped and broken UTF-8 is replaced, never raised."""
-    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
 def id_dtype(vocab_size: int) -> np.dtype:
     """The packed file's id type: uint16 when every id fits, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
@@ -68,10 +57,12 @@ class ByteTokenizer:
     """What a checkpoint carries to rebuild this tokenizer: nothing."""
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        return encode(text, bos, eos)
+        """The UTF-8 bytes of `text`, optionally framed by BOS/EOS."""
+        return ([BOS] if bos else []) + list(text.encode("utf-8")) + ([EOS] if eos else [])
 
     def decode(self, ids: list[int]) -> str:
-        return decode(ids)
+        """Special tokens are dropped and broken UTF-8 is replaced, never raised."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def pack_batch(self, texts: list[str]) -> np.ndarray:
         """BOS + ids + EOS of every text, concatenated (uint16), without a Python loop per byte."""

@@ -1,0 +1,190 @@
+"""Deliberate breaks of the core promises, one at a time, each caught by a test (docs/design.md I21).
+
+    bash scripts/mutants.sh [--list] [--only NAME ...] [--no-baseline]
+
+The repository is copied (tracked and untracked, not ignored, files) into a temporary folder.
+First the tests named below run there unmutated: they must pass, or a "caught" would mean nothing.
+Then each mutant replaces one exact piece of text in one file (it must occur exactly once, else
+the mutant no longer fits the code and the script fails), the tests named for it run with `-x`,
+and the file is put back. One line per mutant: `caught by <test>` or `SURVIVED`. Exit 0 only when
+every mutant is caught; 1 when one survived; 2 when a mutant no longer applies or the baseline fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    promise: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("rng-not-restored", "every rank's global RNG state is restored on resume (I6)",
+           "checkpoint/manager.py", "            self._restore_rng(payload)\n", "            pass\n",
+           ("tests/test_checkpoint_manager.py::test_load_restores_the_global_generators_each_rank_had_at_the_save",)),
+    Mutant("optimizer-not-restored", "the optimizer state is restored on resume",
+           "checkpoint/manager.py", "                    obj.load_state_dict(payload[name])\n",
+           "                    obj.load_state_dict(payload[name]) if name != 'optimizer' else None\n",
+           ("tests/test_checkpoint_manager.py::test_load_restores_the_optimizers_state_and_param_groups_exactly",
+            "tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one")),
+    Mutant("skip-off-by-one", "a resume skips exactly what the epoch consumed (I4)",
+           "train.py", "SkipBatchSampler(sampler, first * plan.accum)", "SkipBatchSampler(sampler, first * plan.accum + (1 if first else 0))",
+           ("tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one",)),
+    Mutant("epoch-seed-without-epoch", "epoch e's order is randperm seeded with seed + e (I1)",
+           "data/sampler.py", "g.manual_seed(seed + epoch)", "g.manual_seed(seed)",
+           ("tests/test_sampler.py::test_the_epoch_order_is_distributed_samplers_permutation",
+            "tests/test_sampler.py::test_same_seed_and_epoch_give_the_same_order_another_epoch_another")),
+    Mutant("rescale-ignored", "the skip is rescaled to the new world size (I4)",
+           "train.py", "    if resumed:\n        log_position(resumed, run, epoch, first)\n",
+           "    if resumed:\n        first = first * rt.world_size // resumed.world_size  # the old world size's micro-batches\n"
+           "        log_position(resumed, run, epoch, first)\n",
+           ("tests/test_resume_e2e.py::test_world_size_two_to_one_to_two_is_sample_exact_and_close_in_weights",)),
+    Mutant("sha256-not-checked-on-load", "a resume file is loaded only if its sha256 is the manifest's (I8, I10)",
+           "checkpoint/storage.py", "    _check_sha(path, digest.result(), entry)  # first:", "    digest.result()  # first:",
+           ("tests/test_checkpoint_io.py::test_a_flipped_byte_inside_a_tensor_is_refused_by_the_verified_load",)),
+    Mutant("no-fallback", "a damaged newest checkpoint falls back to the newest that verifies (I13)",
+           "checkpoint/manager.py", "                faults.append((step, folder, str(e)))\n                continue\n",
+           "                raise\n",
+           ("tests/test_checkpoint_manager.py::test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one",)),
+    Mutant("canonical-in-rank-order", "canonical sums micro-batch gradients in micro-batch order, whatever W",
+           "runtime/reduce.py", "rows = self.gathered.view(w, self.accum, -1).transpose(0, 1).reshape(w * self.accum, -1)",
+           "rows = self.gathered",
+           ("tests/test_canonical_e2e.py::test_three_then_one_then_two_processes_compute_the_bits_of_one_process_at_every_step",)),
+    Mutant("dropout-seed-by-rank", "in-step randomness follows the micro-batch, not the rank (I6)",
+           "train.py", "i = j * rt.world_size + rt.rank  #", "i = j  #",
+           ("tests/test_canonical_e2e.py::test_three_then_one_then_two_processes_compute_the_bits_of_one_process_at_every_step",)),
+    Mutant("lock-not-taken", "one run per folder: rank 0 holds an OS lock on out_dir (I12)",
+           "checkpoint/runfolder.py", "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n            break\n",
+           "            break\n",
+           ("tests/test_run_folder.py::test_a_folder_locked_by_another_process_is_refused_naming_it",)),
+    Mutant("prune-unverified", "pruning deletes only checkpoints this run verified or wrote (I13)",
+           "checkpoint/storage.py", "        if p not in owned:\n", "        if False:\n",
+           ("tests/test_checkpoint_io.py::test_pruning_never_counts_or_deletes_a_checkpoint_that_does_not_verify_nor_follows_a_link",)),
+    Mutant("metrics-not-truncated", "metrics lines past the resumed step are dropped (I11)",
+           "checkpoint/manager.py", "            truncate_metrics(self.metrics_path, step)\n", "            pass\n",
+           ("tests/test_checkpoint_manager.py::test_a_resume_drops_the_metrics_lines_past_its_step",)),
+    Mutant("lr-from-the-launch", "the LR is a pure function of the optimizer step (I5)",
+           "train.py", "lr = lr_at(step, cfg.train)", "lr = lr_at(step - start, cfg.train)",
+           ("tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one",)),
+    Mutant("stop-not-agreed", "a stop is decided by every rank's vote, not the local flag (I9)",
+           "checkpoint/manager.py", 'reason = end or ("stopped" if stop_votes else None)', 'reason = end or ("stopped" if stop else None)',
+           ("tests/test_checkpoint_manager.py::test_a_stop_signal_to_another_rank_stops_this_one_at_the_same_step",)),
+    Mutant("scaler-not-saved", "the float16 GradScaler's state is part of the checkpoint",
+           "train.py", '**({"scaler": self.scaler} if self.scaler else {})', "**{}",
+           ("tests/test_dtypes_and_devices.py::test_mixed_precision_resumes_bit_identically_with_the_scalers_state",)),
+    Mutant("corpus-not-compared", "a resume under another corpus is refused (I20)",
+           "train.py", 'for k in ("source_sha256", "tokenizer", "seq_len", "num_samples")',
+           'for k in ("tokenizer", "seq_len", "num_samples")',
+           ("tests/test_checkpoint_safety.py::test_a_changed_corpus_is_an_error_naming_the_data_fingerprint",)),
+    Mutant("pickle-allowed", "loading never runs pickled code (I10)",
+           "checkpoint/storage.py", "torch.load(bytes_io.BytesIO(data), map_location=map_location, weights_only=True)",
+           "torch.load(bytes_io.BytesIO(data), map_location=map_location, weights_only=False)",
+           ("tests/test_checkpoint_safety.py::test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs",)),
+    Mutant("resume-never-overwrites", "resume=never refuses a folder that holds checkpoints (I13)",
+           "checkpoint/manager.py", "            if existing:\n                raise", "            if False:\n                raise",
+           ("tests/test_checkpoint_manager.py::test_resume_never_over_checkpoints_is_refused_and_auto_over_only_damaged_ones_stops",)),
+)
+
+
+def copy_repository(dest: Path) -> None:
+    """The files git would commit (tracked, and untracked but not ignored); ../shared beside it."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    shared = ROOT.parent / "shared"
+    if shared.is_dir():
+        (dest.parent / "shared").symlink_to(shared, target_is_directory=True)
+
+
+def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (a hang counts as not caught)")
+    a = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only]
+    unknown = set(a.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"mutants: unknown mutant(s) {', '.join(sorted(unknown))}; --list shows them", file=sys.stderr)
+        return 2
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:28} {m.file:24} {m.promise}\n{'':28} tests: {', '.join(m.tests)}")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        repo = Path(tmp) / "repo"
+        repo.mkdir()
+        copy_repository(repo)
+        for m in chosen:  # every mutant must fit the code before any runs
+            count = (repo / m.file).read_text().count(m.old)
+            if count != 1:
+                print(f"mutants: {m.name}: its text occurs {count} times in {m.file} (expected once): the mutant no longer fits the code",
+                      file=sys.stderr)
+                return 2
+        t0 = time.monotonic()
+        if not a.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            code, out = pytest(repo, tests, a.timeout)
+            if code != 0:
+                print(f"mutants: the tests fail without any mutant (exit {code}); nothing is proved:\n{out[-4000:]}", file=sys.stderr)
+                return 2
+            print(f"baseline: {len(tests)} tests pass unmutated ({time.monotonic() - t0:.0f} s)", flush=True)
+        survived = []
+        for m in chosen:
+            path = (repo / m.file)
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new))
+            t1 = time.monotonic()
+            try:
+                code, out = pytest(repo, m.tests, a.timeout)
+            finally:
+                path.write_text(original)
+            failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
+            if code == 1 and failed:
+                verdict = f"caught by {failed[0]}"
+            elif code == 0:
+                verdict = "SURVIVED"
+                survived.append(m.name)
+            else:
+                verdict = f"SURVIVED (pytest {'timed out' if code is None else f'exit {code}'}, no test failed)"
+                survived.append(m.name)
+            print(f"{m.name:28} {verdict}  [{time.monotonic() - t1:.0f} s]", flush=True)
+        print(f"{len(chosen) - len(survived)} of {len(chosen)} mutants caught in {time.monotonic() - t0:.0f} s")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
