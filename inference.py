@@ -9,6 +9,7 @@ import torch
 from checkpoint import storage
 from data import tokenizer
 from model import KVCache, MiniMindLM, ModelConfig
+from model.formats import WeightsError, check_fits
 
 
 def load_tokenizer(path: Path):
@@ -39,9 +40,11 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
     weights = storage.safe_load(folder / storage.WEIGHTS_FILE, map_location="cpu")
     model = MiniMindLM(cfg)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    if missing or unexpected:
-        raise storage.CheckpointError(f"{folder / storage.WEIGHTS_FILE}: does not fit model {cfg} (missing {missing}, unexpected {unexpected})")
+    try:  # a manifest whose config was edited describes another model than the weights hold
+        check_fits(weights, model.state_dict(), str(folder / storage.WEIGHTS_FILE))
+    except WeightsError as e:
+        raise storage.CheckpointError(f"{e}; the model is the one {folder / storage.MANIFEST}'s config describes") from None
+    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -69,6 +72,25 @@ def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_
 
 
 @torch.no_grad()
+def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
+    """ValueError naming the setting (and its command-line flag) that is outside its range."""
+    import math
+
+    problems = []
+    if max_new_tokens is not None and max_new_tokens < 0:
+        problems.append(f"--tokens must be >= 0, got {max_new_tokens}")
+    if math.isnan(temperature) or temperature < 0:
+        problems.append(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        problems.append(f"--top-k must be >= 0 (0: all ids), got {top_k}")
+    if math.isnan(top_p) or not 0 < top_p <= 1:
+        problems.append(f"--top-p must be in (0, 1], got {top_p}")
+    if math.isnan(repetition_penalty) or repetition_penalty <= 0:
+        problems.append(f"--repetition-penalty must be > 0 (1: none), got {repetition_penalty}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, eos: int | None = None,
                  use_cache: bool = True, seed: int = 0) -> list[int]:
@@ -78,6 +100,10 @@ def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | Non
     limit = model.cfg.seq_len
     if not prompt:
         raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
+    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt is {len(prompt)} tokens, but the model's context is model.seq_len={limit} positions: "
+                         f"shorten it to at most {limit - 1} tokens to generate anything")
     max_new_tokens = limit - len(prompt) if max_new_tokens is None else max_new_tokens
     if len(prompt) + max_new_tokens > limit:
         raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens need {len(prompt) + max_new_tokens} "

@@ -1,8 +1,9 @@
 """Curves to watch: TensorBoard or Weights & Biases, on global rank 0 only (`log.tracker`).
 
 Both resume like `metrics.jsonl` (docs/design.md I15): TensorBoard purges every step past the
-checkpoint the run resumed from (the writer's `purge_step`), W&B continues the run whose id is the
-checkpoint's `run_id`. A tracker that is not installed, cannot start or fails mid-run never stops
+checkpoint the run resumed from, or every step on a fresh start (the writer's `purge_step`), W&B
+continues the run whose id is the checkpoint's `run_id` (rewound where the W&B server allows it;
+a warning says when it cannot be). A tracker that is not installed, cannot start or fails mid-run never stops
 training: one warning, then it is off, and `metrics.jsonl` goes on.
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ class TensorBoard(Tracker):
     def __init__(self, out_dir: Path, resumed_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        # purge_step: events at or past it, left by a run killed after its last checkpoint, are dropped
-        self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+        # purge_step: events at or past it, left by a run killed after its last checkpoint (or before
+        # its first: a fresh start purges from step 1), are dropped
+        self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resumed_step + 1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -53,7 +55,13 @@ class WandB(Tracker):
 
         kwargs = dict(project=project, id=run_id, dir=str(out_dir), config=config)
         self.run = None
-        if resumed_step and "resume_from" in inspect.signature(wandb.init).parameters and os.environ.get("WANDB_MODE", "online") not in ("offline", "dryrun", "disabled"):
+        can_rewind = "resume_from" in inspect.signature(wandb.init).parameters and \
+            os.environ.get("WANDB_MODE", "online") not in ("offline", "dryrun", "disabled")
+        if resumed_step and not can_rewind:
+            log.warning("wandb: run %s cannot be rewound to step %d here (offline mode or a client without resume_from): "
+                        "steps a killed run logged past it stay in its W&B history; metrics.jsonl and TensorBoard hold "
+                        "each step once", run_id, resumed_step)
+        if resumed_step and can_rewind:
             # Rewind the W&B run to the checkpoint's step, so that steps logged after it by a killed
             # run are replaced (a W&B server feature; refused where it is not enabled).
             try:

@@ -29,6 +29,7 @@ import tracking
 import weights
 from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, CheckpointMismatch, Resumed, RunMeta, StopFlag,
                         model_sha256, new_run_id, runfolder)
+from checkpoint.files import atomic_write
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, load_tokenizer, to_dict
 from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
@@ -67,15 +68,17 @@ def prepare_data(cfg: Config, rt: runtime.Runtime, tok) -> tuple[PackedDataset, 
             bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache, tok)
             result = {"bin": str(bin_path), "meta": meta}
             if cfg.data.val_path:
-                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache), cfg.model.seq_len, cache, tok)
+                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache, "data.val_path"), cfg.model.seq_len, cache, tok)
                 result.update(val_bin=str(val_bin), val_meta=val_meta)
         except DataError as e:
             result = {"error": str(e)}
+        except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
+            result = {"error": f"{e.filename or cfg.data.cache_dir}: {e.strerror or e}", "io": True}
     # Everyone waits for the packer, and fails together if it failed.
     results = rt.all_gather(result)
-    errors = [r["error"] for r in results if r and "error" in r]
-    if errors:
-        raise DataError(errors[0])
+    failed = [r for r in results if r and "error" in r]
+    if failed:
+        raise (OSError if failed[0].get("io") else DataError)(failed[0]["error"])
     mine = result or next(r for r in results if r)  # ranks without a packer use rank 0's answer
     held_out, dtype = cfg.data.val_samples, mine["meta"]["dtype"]
     corpus = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples, dtype=dtype)
@@ -178,6 +181,8 @@ MAY_CHANGE = {
     **{f"config.train.{k}": (f"train.{k}", _DIFFERS)
        for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
     "threads": ("intra-op threads per process", "floating-point results differ, so bit-equality with an uninterrupted run is not promised"),
+    "config.dist.reduce": ("dist.reduce", "the gradients are summed in another order: not bit-identical to the uninterrupted run"),
+    "config.runtime.deterministic": ("runtime.deterministic", "other kernels may run: bit-equality with the uninterrupted run is not promised"),
 }
 
 
@@ -326,7 +331,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
         head = f"# model.init_from: {source['path']} (sha256 {source['sha256']}, {source['format']})\n" if source else ""
         resolved = to_dict(cfg)
         resolved["model"]["init_from"] = source["path"] if source else ""  # the source this run used, not what the key says now
-        (Path(cfg.out_dir) / runfolder.CONFIG).write_text(head + yaml.safe_dump(resolved, sort_keys=False))
+        atomic_write(Path(cfg.out_dir) / runfolder.CONFIG, head + yaml.safe_dump(resolved, sort_keys=False))
     epoch, first = run.train_state.position(run.plan, run.steps_per_epoch)
     if resumed:
         log_position(resumed, run, epoch, first)
@@ -340,6 +345,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     todo = start < cfg.train.steps and not halted
     reason = None
     run.model.train()
+    stop.under_way()  # set-up is over: a signal from here on is voted on at the step boundary
     for epoch, s, micro_batches in step_batches(run.dataset, sampler, epoch, first, cfg, rt) if todo else ():
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train)
@@ -437,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stop = StopFlag()  # first: a signal during set-up is acted on at the first step boundary
+    stop = StopFlag()  # first: a signal during set-up ends the launch with 75 (see checkpoint/stop.py)
     rt = lock = None
     clean = False  # every rank reached the end together
     try:
@@ -450,16 +456,23 @@ def main(argv: list[str] | None = None) -> int:
             runfolder.write_status(lock.out_dir, state, step, code)
         clean = True
         return code
-    except (ConfigError, runtime.SetupError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError, WeightsError) as e:
-        if rt is None:  # logging is not set up yet
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            log.error("error: %s", e)
-        code = 1 if isinstance(e, CheckpointError) and not isinstance(e, CheckpointMismatch) else 2
-        if lock:
-            runfolder.write_status(lock.out_dir, "failed", None, code, str(e))
-        return code
-    except BaseException as e:  # a bug: the traceback goes on, the status says it failed
+    except BaseException as e:
+        if stop.signal is not None and stop.setup:
+            # Stopped before the run was under way (StopDuringSetup, or whatever a peer's leaving on
+            # its own signal made fail here): nothing to save, the previous checkpoint stands.
+            cause = f"stopped on {stop.signal} during set-up: nothing to save; the previous checkpoint (if any) stands"
+            say(rt, logging.WARNING, f"{cause}; exit {EXIT_STOPPED} (resume me)")
+            if lock:
+                runfolder.write_status(lock.out_dir, "stopped", None, EXIT_STOPPED, cause)
+            return EXIT_STOPPED
+        if isinstance(e, KNOWN_ERRORS):
+            say(rt, logging.ERROR, f"error: {e}")
+            # 1: a damaged checkpoint or an I/O failure; 2: bad input or config
+            code = 1 if isinstance(e, OSError) or (isinstance(e, CheckpointError) and not isinstance(e, CheckpointMismatch)) else 2
+            if lock:
+                runfolder.write_status(lock.out_dir, "failed", None, code, str(e))
+            return code
+        # a bug: the traceback goes on, the status says it failed
         if lock:
             runfolder.write_status(lock.out_dir, "failed", None, 1, f"{type(e).__name__}: {e}")
         raise
@@ -469,6 +482,19 @@ def main(argv: list[str] | None = None) -> int:
         if lock:
             lock.release()
         stop.restore()
+
+
+KNOWN_ERRORS = (ConfigError, runtime.SetupError, DataError, BatchPlanError, CheckpointError, runfolder.RunFolderError, WeightsError,
+                OSError)
+"""Errors with a message for the user (no traceback): exit 2 for bad input, 1 for I/O and damaged checkpoints."""
+
+
+def say(rt: runtime.Runtime | None, level: int, message: str) -> None:
+    """A line to the log, or to stderr before logging is set up."""
+    if rt is None:
+        print(message, file=sys.stderr)
+    else:
+        log.log(level, "%s", message)
 
 
 def take_run_folder(cfg: Config, rt: runtime.Runtime) -> runfolder.RunLock | None:

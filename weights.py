@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import storage
+from checkpoint.files import atomic_file, durable_tree, fsync_dir
 from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
 from inference import tokenizer_files
@@ -115,17 +116,24 @@ def checkpoint_weights(ckpt: Path) -> tuple[Path, dict, ModelConfig, dict[str, t
         raise storage.CheckpointError(f"{folder / storage.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
 
 
-def _atomic(out: Path, write) -> Path:
-    """Run `write(tmp)` then rename tmp to `out`; an existing `out` is refused, never overwritten."""
+def _refuse_existing(out: Path) -> None:
     if out.exists() or out.is_symlink():
         raise WeightsError(f"--out {out}: exists; choose another path or remove it first (nothing was written)")
     out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _atomic_folder(out: Path, write) -> Path:
+    """Run `write(tmp)` into a temporary folder beside `out`, make every file in it durable with an
+    ordinary mode, then rename it to `out` and fsync the parent; an existing `out` is refused."""
+    _refuse_existing(out)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         write(tmp)
+        durable_tree(tmp)
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
@@ -137,7 +145,10 @@ def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
     out = Path(out)
     if fmt == "minimind":
         halves = half_weights(state)  # tied tensors stay one tensor, as in MiniMind's own state dict
-        return _atomic(out, lambda tmp: torch.save(to_llama(halves, lm_head=True), tmp))
+        _refuse_existing(out)
+        with atomic_file(out) as f:
+            torch.save(to_llama(halves, lm_head=True), f)
+        return out
     if fmt != "hf":
         raise WeightsError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     tok = tokenizers.from_files(files, str(folder))
@@ -154,4 +165,4 @@ def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
 
-    return _atomic(out, write)
+    return _atomic_folder(out, write)

@@ -20,7 +20,9 @@ checkpoint is inspected, and every checkpoint is listed with its validity).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -107,25 +109,33 @@ def compare_runs(a: Path, b: Path) -> dict:
 
 def status(args: argparse.Namespace) -> int:
     """Print the run's status record; with --exit-code, the exit code a scheduler should see."""
-    if not args.run.is_dir():
+    if not args.run.is_dir() and not args.exit_code:
         raise runfolder.RunFolderError(f"{args.run}: not a run folder")
-    if args.exit_code and not runfolder.wait_until_free(args.run, args.wait_s):
+    stopped = args.stopped  # the launcher passed a stop signal on: an outcome never recorded is a stop
+    fallback = 75 if stopped else args.fallback if args.fallback in (0, 1, 2) else 1  # a death by signal is a failure (1)
+    if not args.run.is_dir():  # the run never got as far as its folder
+        print(f"status: {args.run} does not exist yet; exit {fallback}", file=sys.stderr)
+        return fallback
+    # Wait for this launch's workers that outlived their torchrun (finishing a save); another run
+    # that holds the folder (this launch waited for it and was stopped) is not waited for.
+    holder = runfolder.read_holder(args.run)
+    ours = not args.launch_id or not holder or holder.get("launch_id") == args.launch_id
+    if args.exit_code and ours and not runfolder.wait_until_free(args.run, args.wait_s):
         # Workers that outlived their torchrun are still saving: their outcome is not known yet.
         print(f"status: {args.run} is still held by {runfolder.describe_holder(runfolder.read_holder(args.run))} "
               f"after {args.wait_s:g} s", file=sys.stderr)
-        return args.fallback or 1
+        return 75 if stopped else args.fallback or 1
     record = runfolder.read_status(args.run)
     held = not runfolder.wait_until_free(args.run, 0)
     print(json.dumps({**(record or {"state": None}), "held_by": runfolder.read_holder(args.run) if held else None}, indent=1))
     if not args.exit_code:
         return 0
-    fallback = args.fallback if args.fallback in (0, 1, 2) else 1  # a death by signal is a failure (1)
     if record is None or (args.launch_id and record.get("launch_id") != args.launch_id):
         print(f"status: {args.run} has no status from this launch; exit {fallback} from the launcher's code {args.fallback}", file=sys.stderr)
         return fallback
     if record["state"] == "running":  # the holder is gone without a word: killed
         print(f"status: the run in {args.run} died without recording an outcome (killed?)", file=sys.stderr)
-        return fallback or 1
+        return 75 if stopped else fallback or 1
     code = record.get("exit_code")
     return code if code in (0, 1, 2, 75) else 1
 
@@ -140,9 +150,22 @@ def plot(runs: list[Path], out: Path) -> int:
     except ImportError:
         print("error: plot needs matplotlib: pip install -r requirements-extra.txt", file=sys.stderr)
         return 2
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    for i, run in enumerate(runs):
+    formats = set(plt.gcf().canvas.get_supported_filetypes())
+    plt.close("all")
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise runfolder.RunFolderError(f"--out {out}: unknown image extension {out.suffix or '(none)'!r}; expected one of "
+                                       f"{', '.join('.' + f for f in sorted(formats))}")
+    if not out.parent.is_dir():
+        raise runfolder.RunFolderError(f"--out {out}: the folder {out.parent} does not exist")
+    every = {}
+    for run in runs:
         rows = runfolder.read_metrics(run)
+        for lineno, row in enumerate(rows, 1):
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), (int, float)) for k in ("step", "loss", "lr")):
+                raise runfolder.RunFolderError(f"{run / runfolder.METRICS}:{lineno}: a metrics line needs numeric 'step', 'loss' and 'lr'")
+        every[run] = rows
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for i, (run, rows) in enumerate(every.items()):
         colour, name = f"C{i}", run.name
         top.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=colour, label=f"{name} train")
         val = [r for r in rows if "val_loss" in r]
@@ -159,6 +182,18 @@ def plot(runs: list[Path], out: Path) -> int:
     fig.savefig(out, dpi=110)
     print(f"plot: {out}")
     return 0
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to whatever sys.stderr is when a line is logged."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
     st.add_argument("--fallback", type=int, default=1, help="with --exit-code: the code when the status is not this launch's (default 1)")
     st.add_argument("--wait-s", type=float, default=300.0, help="with --exit-code: how long to wait for the folder's holder")
+    st.add_argument("--stopped", type=int, choices=(0, 1), default=0,
+                    help="with --exit-code: 1 when the launcher passed a stop signal on; an outcome this launch never recorded is then 75")
     args = parser.parse_args(argv)
+    # Which checkpoint a command used, and a newer one skipped as damaged, go to stderr.
+    log = logging.getLogger("minimind")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     try:
         if args.verb == "status":
             return status(args)
@@ -218,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             except WeightsError as err:
                 raise storage.CheckpointError(str(err)) from None
             except OSError as err:
-                print(f"error: {err.filename or args.out}: {err.strerror}", file=sys.stderr)
+                name = errno.errorcode.get(err.errno or 0, "")
+                print(f"error: {err.filename or args.out}: {err.strerror}{f' ({name})' if name else ''}; nothing was written", file=sys.stderr)
                 return 1
             print(f"wrote {out}")
             return 0

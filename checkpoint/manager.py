@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from . import rng, runfolder, storage
+from .files import atomic_write
 from .config import CheckpointConfig
 
 log = logging.getLogger("minimind")
+_model_hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-model-sha")
 RESUME_FORMAT = "minimind-resume/1"
 OPTIONAL_STATES = frozenset({"scaler"})
 """States a resume file may lack: they start fresh, with a warning (a GradScaler when a float32 or
@@ -163,19 +165,28 @@ def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = Fal
 
 def truncate_metrics(path: Path, step: int) -> int:
     """Drop metrics lines past `step` (and any half-written line) so a resumed log equals an
-    uninterrupted one (docs/design.md I11). Returns the number of lines kept."""
+    uninterrupted one (docs/design.md I11); the kept lines must be exactly steps 1..step, else
+    CheckpointError (a log with a gap, e.g. after a power loss, is not silently continued). Returns
+    the number of lines kept."""
     if not path.exists():
         return 0
-    kept = []
+    kept, steps = [], []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= step:
+            s = json.loads(line)["step"]
+            if s <= step:
                 kept.append(line)
+                steps.append(s)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    if steps != list(range(1, step + 1)):
+        missing = sorted(set(range(1, step + 1)) - set(steps))
+        raise storage.CheckpointError(
+            f"{path}: the log up to the resumed step {step} should hold steps 1..{step} once each, but "
+            f"{f'lacks steps {missing[:10]}' if missing else 'repeats or misorders steps'}{' ...' if len(missing) > 10 else ''}; "
+            f"a resumed log would not equal the uninterrupted one. Move the file aside to resume (the new log then "
+            f"starts at step {step + 1})")
+    atomic_write(path, "".join(k + "\n" for k in kept))
     return len(kept)
 
 
@@ -194,9 +205,9 @@ class CheckpointManager:
         self._error: BaseException | None = None
 
     # ---------------------------------------------------------------- load
-    def _choose(self) -> tuple[Path, dict] | None:
+    def _choose(self) -> tuple[Path, dict, bytes] | None:
         """Rank 0: the checkpoint to resume from, per checkpoint.resume, with its resume file
-        (read once, verified; None: a fresh start)."""
+        (read once, verified) and that file's bytes; None: a fresh start."""
         mode = self.cfg.resume
         if mode == "never":
             existing = storage.list_checkpoints(self.root)
@@ -212,17 +223,17 @@ class CheckpointManager:
                 raise storage.CheckpointMismatch(
                     f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, "
                     f"or use checkpoint.resume=auto with out_dir={mode}")
-            return path, storage.load_verified(path)[1]  # an explicit path must verify or the run fails
+            return path, *storage.load_verified_with_bytes(path)[1:]  # an explicit path must verify or the run fails
         faults = []
         for step, folder in storage.list_checkpoints(self.root, warn=True):
             try:
-                payload = storage.load_verified(folder)[1]
+                _, payload, data = storage.load_verified_with_bytes(folder)
             except storage.CheckpointError as e:
                 faults.append((step, folder, str(e)))
                 continue
             for bad, _, error in faults:  # newer than the one chosen: reported, never silently passed over
                 log.warning("skipping checkpoint step %d: %s", bad, error)
-            return folder, payload
+            return folder, payload, data
         if faults:
             # Checkpoints exist and none verifies: a fresh start would train over them. Stop (docs/design.md I13).
             listing = "\n".join(f"  {folder}: {error}" for _, folder, error in faults)
@@ -235,22 +246,26 @@ class CheckpointManager:
     def load(self, states: dict[str, Stateful]) -> Resumed | None:
         """Restore `states` from the checkpoint that checkpoint.resume names (None: fresh start).
 
-        Every rank reads the resume file once and deserializes the bytes it verified. A state named
+        Rank 0 alone reads the resume file, once, and verifies it; the other ranks get those bytes
+        from it (a broadcast) and deserialize them, so a launch reads the checkpoint once however
+        many ranks it has (not once per rank from a shared filesystem). A state named
         in OPTIONAL_STATES that the checkpoint lacks starts fresh with a warning (a GradScaler when a
         float32 or bfloat16 run continues in float16); any other missing state is an error."""
-        t0 = time.monotonic()
+        t0, read0 = time.monotonic(), bytes_read()
         choice: Any = None
-        payload = None
+        payload = data = None
         if self.comm.is_main:  # nothing is created here: the first publish makes the folder
             for p in storage.clear_temporaries(self.root):
                 log.info("removed %s, left by an interrupted save", p)
             try:
                 chosen = self._choose()
                 if chosen:
-                    payload = chosen[1]
+                    payload, data = chosen[1], chosen[2]
                 choice = {"path": str(chosen[0]) if chosen else None}
             except storage.CheckpointError as e:
                 choice = {"error": str(e), "mismatch": isinstance(e, storage.CheckpointMismatch)}
+            except Exception as e:  # anything else on rank 0 alone: every rank stops with it now, not at a timeout
+                choice = {"error": f"rank 0 could not choose a checkpoint in {self.root}: {type(e).__name__}: {e}", "mismatch": False}
         choice = self.comm.broadcast(choice)
         if "error" in choice:
             raise (storage.CheckpointMismatch if choice["mismatch"] else storage.CheckpointError)(choice["error"])
@@ -262,10 +277,12 @@ class CheckpointManager:
         path = Path(choice["path"])
         if self.comm.is_main and path.parent == self.root:
             self.owned.add(path)  # verified just now
+        if self.comm.world_size > 1:
+            data = self.comm.broadcast(data)  # the bytes rank 0 verified
         error = None
         try:
-            if payload is None:  # the other ranks read (and verify) it themselves
-                payload = storage.load_verified(path)[1]
+            if payload is None:  # the other ranks: rank 0's verified bytes, deserialized here (weights_only)
+                payload = storage.deserialize(data, path / storage.RESUME_FILE, "cpu")
             self._check_compatible(path, payload)
             for name, obj in states.items():
                 if name in payload:
@@ -278,7 +295,8 @@ class CheckpointManager:
         except storage.CheckpointError as e:
             error = (isinstance(e, storage.CheckpointMismatch), str(e))
         # Every rank loaded; if any failed, all stop here together (no rank enters training alone).
-        failed = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e]
+        outcomes = self.comm.all_gather((error, bytes_read() - read0))
+        failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
         if failed:
             rank, (mismatch, message) = failed[0]
             cls = storage.CheckpointMismatch if mismatch else storage.CheckpointError
@@ -289,7 +307,9 @@ class CheckpointManager:
         step = int(payload["train"]["step"])
         if self.comm.is_main:
             truncate_metrics(self.metrics_path, step)
-        log.info("loaded %s: step %d, %.2fs", path, step, time.monotonic() - t0)
+        size = len(data) if data is not None else 0
+        log.info("loaded %s: step %d, %.2fs; %.1f MiB read from files by %d rank(s) for a %.1f MiB resume file",
+                 path, step, time.monotonic() - t0, sum(n for _, n in outcomes) / 2**20, len(outcomes), size / 2**20)
         for dotted, (label, consequence) in self.meta.may_change.items():
             then, now = lookup(payload, dotted), lookup(self.meta.record(), dotted)
             if then is not None and then != now:
@@ -355,6 +375,13 @@ class CheckpointManager:
         failed = False
         if self.comm.is_main:
             self.wait()  # the previous async save, before a new one
+            # The log up to this step is as durable as the checkpoint of this step (docs/design.md I11).
+            if self.metrics_path.exists():
+                fd = os.open(self.metrics_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             pin = background and self.comm.device.type == "cuda"
             snapshot = {name: obj.state_dict() for name, obj in states.items()}
             if background:
@@ -371,7 +398,7 @@ class CheckpointManager:
             else:
                 try:
                     self._write(step, snapshot, half_weights(snapshot["model"]), rng_states, t0)
-                except storage.CheckpointError as e:
+                except Exception as e:  # published or not, every rank hears of it at once (docs/design.md I9)
                     self._error, failed = e, True
         if not background and self.comm.any(failed):
             self._raise_failure()
@@ -382,8 +409,11 @@ class CheckpointManager:
         record = self.meta.record()
         resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **record}
         files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights, **self.meta.files}
+        # The weights' sha256 is computed in a thread of its own while the files are written (it is
+        # only needed in the manifest, which comes last): one more hash of 4 bytes a parameter.
+        model_sha = _model_hasher.submit(storage.model_sha256, snapshot["model"])
         manifest = {**snapshot["train"], **{k: v for k, v in record.items() if k != "data_fingerprint"},
-                    "model_sha256": storage.model_sha256(snapshot["model"]), "created_unix": time.time()}
+                    "model_sha256": model_sha, "created_unix": time.time()}
         final = storage.publish(self.root, step, files, manifest)
         self.owned.add(final)
         pruned = storage.prune(self.root, self.cfg.keep, self.owned)
@@ -410,7 +440,9 @@ class CheckpointManager:
     def _raise_failure(self) -> None:
         """Raise on every rank once the ranks agreed that a save failed."""
         if self._error is not None:
-            raise storage.CheckpointError(str(self._error)) from self._error
+            e = self._error
+            message = str(e) if isinstance(e, storage.CheckpointError) else f"saving a checkpoint failed: {type(e).__name__}: {e}"
+            raise storage.CheckpointError(message) from e
         raise storage.CheckpointError("rank 0 failed to save a checkpoint (its log has the cause); stopping")
 
     def drain(self) -> None:
@@ -421,6 +453,19 @@ class CheckpointManager:
             self._pool = None
         if self.comm.any(self._error is not None):
             self._raise_failure()
+
+
+def bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (Linux's /proc/self/io rchar; 0 where
+    there is none): what a load costs a shared filesystem, whether or not the page cache served it."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def new_run_id() -> str:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import atomic_write
 from .stop import EXIT_STOPPED
 
 log = logging.getLogger("minimind")
@@ -118,7 +119,7 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
             log.warning("out_dir %s is held by %s; waiting up to %g s for it to finish", out_dir, holder, timeout_s)
             announced = holder
         time.sleep(poll_s)
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "launch_id": os.environ.get(LAUNCH_ENV)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     return RunLock(out_dir, fd)
@@ -144,13 +145,7 @@ def write_status(out_dir: Path, state: str, step: int | None = None, exit_code: 
     record = {"state": state, "step": step, "exit_code": exit_code, "cause": cause,
               "launch_id": os.environ.get(LAUNCH_ENV), "pid": os.getpid(), "host": socket.gethostname(),
               "updated_unix": round(time.time(), 3)}
-    path = Path(out_dir) / STATUS
-    tmp = path.with_name(f".{STATUS}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(Path(out_dir) / STATUS, json.dumps(record, indent=1) + "\n")
     return record
 
 

@@ -1,9 +1,15 @@
 """The preemption stop protocol: a signal sets a flag; the ranks agree at a step boundary.
 
 SIGTERM (spot reclaim, torchrun's shutdown), SIGUSR1 (SLURM's pre-timeout warning) and SIGINT
-only set a flag here. The loop sums every rank's flag at each optimizer-step boundary
-(`CheckpointManager.after_step`), so that when any rank was signalled all of them save at the same step and leave
-together; nobody waits on a collective that another rank already left (docs/design.md I9).
+only set a flag once the run is under way. The loop sums every rank's flag at each optimizer-step
+boundary (`CheckpointManager.after_step`), so that when any rank was signalled all of them save at
+the same step and leave together; nobody waits on a collective that another rank already left
+(docs/design.md I9).
+
+Before that (set-up: the rendezvous, the lock wait, packing the corpus, loading a checkpoint) there
+is nothing to save, and waiting for the first step could take minutes: the first signal raises
+StopDuringSetup where the process is, the set-up unwinds (a half-packed cache is removed by the
+packer's own cleanup), and the run ends with 75, the previous checkpoint standing.
 """
 from __future__ import annotations
 
@@ -16,8 +22,14 @@ EXIT_STOPPED = 75
 """Exit code of a run that stopped early on a signal after saving: "resume me" (EX_TEMPFAIL)."""
 
 
+class StopDuringSetup(BaseException):
+    """A stop signal before the run was under way (a BaseException, as KeyboardInterrupt is, so that
+    no `except Exception` on the way swallows it)."""
+
+
 class StopFlag:
-    """Installs the handlers; `poll()` turns True at the first signal and stays True.
+    """Installs the handlers; `poll()` turns True at the first signal and stays True. Until
+    `under_way()` is called, the first signal raises StopDuringSetup instead.
 
     Under torchrun it also watches the launcher: a worker whose agent died (SIGKILLed, OOM-killed)
     would train on unsupervised and race the next launch for the checkpoint folder, so it stops
@@ -29,14 +41,25 @@ class StopFlag:
     def __init__(self) -> None:
         self.signal: str | None = None
         self.received_at: float | None = None
+        self.setup = True  # until under_way(): a signal raises
         self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum: int, frame) -> None:
-        # A second signal while the stop is under way changes nothing: the save in progress goes on.
+        # A second signal while the stop is under way changes nothing: the save (or the unwinding
+        # of the set-up) in progress goes on.
         if self.signal is None:
             self.signal = signal.Signals(signum).name
             self.received_at = time.monotonic()
+            if self.setup:
+                raise StopDuringSetup(self.signal)
+
+    def under_way(self) -> None:
+        """The run is at its first step: from here on a signal sets the flag the ranks vote on.
+        A signal that came during set-up and was swallowed on the way raises now."""
+        self.setup = False
+        if self.signal is not None:
+            raise StopDuringSetup(self.signal)
 
     def poll(self) -> bool:
         """Has a stop been asked for? Also checks, under torchrun, whether the agent is still there."""

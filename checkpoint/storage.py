@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from .files import fsync_dir
 from .runfolder import CHECKPOINTS
 
 RESUME_FILE = "resume.pth"
@@ -114,14 +115,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
     """Write one file of a checkpoint, hashing it on the way. Its fsync is started in a helper
     thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
@@ -167,6 +160,8 @@ def _fsync_close(f) -> None:
 
 def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Path:
     """Write `files` (name -> object for torch.save, or raw bytes) as checkpoint `step` under `root`.
+    A `manifest` value may be a Future (a hash computed while the files are written): it is awaited
+    once the files are on disk, before the manifest is written.
 
     On any failure the temporary folder is removed, nothing new is visible, and the error (with the
     path and the cause) propagates.
@@ -184,16 +179,17 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
         finally:
             for done in fsyncs:
                 done.result()  # every file is on disk before the manifest vouches for it
+        manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
         _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists() or final.is_symlink():
             # A folder of this step exists (a rerun of the step after a resume from an older one).
             # It is never deleted whole: one that verifies gives up only the files its manifest lists
             # (anything a user put there stays, set aside); one that does not verify is set aside as it is.
             old, why = _take_out_of_the_way(root, final)
             os.replace(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
             if why is None:
                 left = retire(old)
                 if left:
@@ -204,7 +200,7 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
                 log.warning("step %d: the previous %s did not verify (%s); moved to %s, not deleted", step, final.name, why, old)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception):
@@ -235,8 +231,8 @@ def set_aside(root: Path, folder: Path, name: str) -> Path:
     aside.mkdir(exist_ok=True)
     dest = aside / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:4]}"
     os.replace(folder, dest)
-    _fsync_dir(aside)
-    _fsync_dir(root)
+    fsync_dir(aside)
+    fsync_dir(root)
     return dest
 
 
@@ -313,7 +309,12 @@ def find_checkpoint(path: Path, verify_all: bool = False) -> tuple[Path, dict, l
     newest, listing = scan(root, verify_all)
     if newest is None:
         raise CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
-    return newest, read_manifest(newest), listing  # scan verified it
+    manifest = read_manifest(newest)  # scan verified it
+    for step, folder, error in listing:
+        if error is not None and step > manifest["step"]:
+            log.warning("skipped checkpoint step %d, newer than the one used: %s", step, error)
+    log.info("using checkpoint step %d: %s", manifest["step"], newest)
+    return newest, manifest, listing
 
 
 def clear_temporaries(root: Path) -> list[Path]:
@@ -365,6 +366,8 @@ def read_manifest(folder: Path) -> dict:
         body = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an unfinished or foreign folder)") from None
+    except OSError as e:  # a folder where the file should be, no permission, an I/O error
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: does not parse ({e})") from None
     if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or not isinstance(body.get("step"), int):
@@ -427,6 +430,13 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
     deserialized from the same buffer (in two threads at once), and the object is returned only if
     their sha256 is the manifest's. A file that changes after the check cannot be loaded unverified,
     because nothing is read from disk a second time. The other files' presence and sizes are checked."""
+    body, obj, _ = load_verified_with_bytes(folder, name, map_location)
+    return body, obj
+
+
+def load_verified_with_bytes(folder: Path, name: str = RESUME_FILE, map_location: Any = "cpu") -> tuple[dict, Any, bytes]:
+    """`load_verified`, and the verified bytes themselves (for other processes to deserialize
+    without reading the file again)."""
     body, path, entry, data = _read_listed(folder, name)
     digest = _helper.submit(lambda: hashlib.sha256(data).hexdigest())
     try:
@@ -436,7 +446,7 @@ def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cp
     _check_sha(path, digest.result(), entry)  # first: a damaged file is "corrupted", whatever it unpickles to
     if error is not None:
         raise error
-    return body, obj
+    return body, obj, data
 
 
 def read_verified(folder: Path, name: str) -> bytes:

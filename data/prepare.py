@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoint.files import atomic_file, atomic_write
+
 from . import tokenizer
 
 BUILTIN = "stdlib"
@@ -35,16 +37,6 @@ _STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycac
 
 class DataError(ValueError):
     """Bad corpus input; the message names the file (and line) at fault."""
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def _alive(pid: int) -> bool:
@@ -91,8 +83,7 @@ def build_stdlib_corpus(dest: Path) -> Path:
         dirs[:] = sorted(x for x in dirs if x not in _STDLIB_SKIP)
         files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(dest)
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_file(dest, "w", encoding="utf-8") as out:
         for path in files:
             with open(path, "rb") as f:
                 src = f.read()
@@ -105,17 +96,17 @@ def build_stdlib_corpus(dest: Path) -> Path:
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= 32:
                         out.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    _fsync_replace(tmp, dest)
     return dest
 
 
-def resolve_source(path: str, cache_dir: Path) -> Path:
-    """The JSONL file behind `data.path` (building the built-in corpus when asked for)."""
+def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Path:
+    """The JSONL file behind `data.path` (or the `key` given, e.g. data.val_path), building the
+    built-in corpus when asked for."""
     if path == BUILTIN:
         return build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl")
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"data.path: corpus file {p} does not exist (expected a JSONL file of {{\"text\": ...}} lines, or '{BUILTIN}')")
+        raise DataError(f"{key}: corpus file {p} does not exist (expected a JSONL file of {{\"text\": ...}} lines, or '{BUILTIN}')")
     return p
 
 
@@ -263,11 +254,10 @@ def pack(source: Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int
     for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path):
         log.info("removed %s, left by an interrupted preparation", p)
     t0 = time.time()
-    tmp = _tmp_name(bin_path)
     n_docs = n_tokens = 0
     progress = _Progress(source, source.stat().st_size)
     try:
-        with open(tmp, "wb") as out:
+        with atomic_file(bin_path, "wb") as out:  # an error or a stop leaves no half-written cache
             for texts, size in _read_ahead(_batches(source, batch_bytes)):
                 ids = tok.pack_batch(texts)
                 ids.astype(dtype, copy=False).tofile(out)
@@ -276,14 +266,12 @@ def pack(source: Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int
                 progress.update(size)
             num_samples = n_tokens // (seq_len + 1)
             out.truncate(num_samples * (seq_len + 1) * dtype.itemsize)
-        if n_docs == 0:
-            raise DataError(f"{source}: the corpus is empty (no {{\"text\": ...}} lines)")
-        if num_samples == 0:
-            raise DataError(f"{source}: {n_tokens} tokens do not fill one sample of seq_len + 1 = {seq_len + 1} tokens")
-        _fsync_replace(tmp, bin_path)
+            if n_docs == 0:
+                raise DataError(f"{source}: the corpus is empty (no {{\"text\": ...}} lines)")
+            if num_samples == 0:
+                raise DataError(f"{source}: {n_tokens} tokens do not fill one sample of seq_len + 1 = {seq_len + 1} tokens")
     finally:
         mb_per_s = progress.close()
-        tmp.unlink(missing_ok=True)
     meta = {
         "format": FORMAT,
         "source": str(source),
@@ -299,9 +287,7 @@ def pack(source: Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int
         "build_seconds": round(time.time() - t0, 2),
     }
     log.info("packed %s: %d documents, %d tokens, %d samples, %.1f MB/s", source, n_docs, n_tokens, num_samples, mb_per_s)
-    tmp_meta = _tmp_name(meta_path)
-    tmp_meta.write_text(json.dumps(meta, indent=1))
-    _fsync_replace(tmp_meta, meta_path)
+    atomic_write(meta_path, json.dumps(meta, indent=1))
     return bin_path, meta
 
 

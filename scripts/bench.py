@@ -48,6 +48,7 @@ AIMS = {
     "async stall / copy into preallocated buffers": ("<=", 1.5),
     "throughput, async save every 10 / none": (">=", 0.97),
     "resume at 90% / at 0% of an epoch": ("<=", 1.1),
+    "bytes read at a 2-process resume / resume file size": ("<=", 1.1),
     "our loop / minimal loop (speed)": (">=", 0.95),
     "canonical / ddp step time, 2 processes": ("<=", 1.3),
 }
@@ -540,6 +541,29 @@ def throughput_rows(steps: int, rounds: int, work: Path) -> list[dict]:
     ]
 
 
+def resume_read_rows(work: Path) -> list[dict]:
+    """What a resume reads: a 2-process launch resumes a tiny run; the bytes every rank read from
+    files during the load (read() calls, page cache or not: what a shared filesystem would serve),
+    from the load's own log line, against the resume file's size."""
+    out = work / "read-once"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+            "--config", "configs/tiny.yaml", "log.progress=false", "train.steps=4", f"out_dir={out}"]
+    for halt in (2, 3):
+        proc = subprocess.run([*base, f"train.halt_at={halt}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench: the resume launch failed:\n{proc.stderr[-3000:]}")
+    import re
+
+    m = re.search(r"([\d.]+) MiB read from files by (\d+) rank\(s\) for a ([\d.]+) MiB resume file", proc.stderr)
+    if not m:
+        raise SystemExit(f"bench: no load line in the resume's log:\n{proc.stderr[-3000:]}")
+    read, ranks, size = float(m.group(1)), int(m.group(2)), float(m.group(3))
+    return [{"row": "resume, tiny, 2 processes on one node", "what": "bytes read at a 2-process resume / resume file size",
+             "value": read / size, "aim": "bytes read at a 2-process resume / resume file size",
+             "detail": f"{read:.1f} MiB read from files by {ranks} ranks during the load / a {size:.1f} MiB resume file "
+                       f"(rank 0 reads and verifies it once; the other rank deserializes the bytes rank 0 broadcasts)"}]
+
+
 class Synthetic(Dataset):
     """N samples computed from their index: a dataset of any size without a file."""
 
@@ -659,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             r, _ = stall_rows("26M", big, repeat, work)
             rows += r
             rows += stop_rows(work)
+        rows += resume_read_rows(work)
         rows += throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work)
         rows += loop_rows(15 if a.quick else 30, work)
         dist.destroy_process_group()

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# The README's first command: set up .venv, then train configs/tiny.yaml under torchrun,
-# on 2 CPU processes, or on every GPU when CUDA is present. Extra arguments are config overrides:
+# The README's first command: set up .venv, then train under torchrun, on 2 CPU processes, or on
+# every GPU when CUDA is present. An optional --config FILE first (default configs/tiny.yaml), then
+# config overrides:
 #   bash scripts/train.sh train.steps=400 out_dir=runs/longer
-# Exit code, for a scheduler: 0 finished or halted; 75 stopped on a signal with its checkpoint
-# published (run the same command again to resume); 2 bad input or config; 1 any other failure.
-# SIGTERM/SIGINT to this script, to torchrun or to the whole tree all end in the agreed save.
+#   bash scripts/train.sh --config configs/minimind2_small.yaml out_dir=runs/small
+# Exit code, for a scheduler: 0 finished or halted; 75 stopped on a signal (its checkpoint published,
+# or stopped before the run was under way: nothing lost either way; run the same command again to
+# resume); 2 bad input or config; 1 any other failure.
+# SIGTERM/SIGINT/SIGUSR1 to this script, to torchrun or to the whole tree all end in the agreed save,
+# from the first line of this script on.
+STOP=0
+trap 'STOP=1; forward 2>/dev/null || true' TERM INT USR1
+# A stop before the launch (during the venv set-up or the config check) ends here with 75, even
+# when the same signal killed the command that was running then.
+trap 'if [ "$STOP" = 1 ] && [ -z "$PID" ]; then echo "[train.sh] stopped before the run started: nothing lost; exit 75 (run the same command again)" >&2; exit 75; fi' EXIT
+PID=""
+CONFIG=configs/tiny.yaml
+if [ "${1:-}" = "--config" ]; then
+  [ -n "${2:-}" ] || { echo "scripts/train.sh: --config needs a file" >&2; exit 2; }
+  CONFIG="$2"; shift 2
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 NPROC="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
-CONFIG=configs/tiny.yaml
 launch_and_report "$NPROC" "$CONFIG" "$@"

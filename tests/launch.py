@@ -20,9 +20,10 @@ def command(nproc: int, *overrides: str, script: str = "train.py") -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *overrides]
 
 
-def run(nproc: int, *overrides: str, expect: int | None = 0, env: dict | None = None, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    """Run train.py to completion; assert its exit code (None: don't)."""
-    proc = subprocess.run(command(nproc, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+def run(nproc: int, *overrides: str, expect: int | None = 0, env: dict | None = None, timeout: int = TIMEOUT,
+        script: str = "train.py") -> subprocess.CompletedProcess:
+    """Run train.py (or a test double of it) to completion; assert its exit code (None: don't)."""
+    proc = subprocess.run(command(nproc, *overrides, script=script), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     if expect is not None and proc.returncode != expect:
         raise AssertionError(f"exit {proc.returncode}, expected {expect}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

@@ -42,4 +42,4 @@ def test_ddp_and_canonical_loss_curves_agree_to_a_measured_tolerance(tmp_path, c
     ddp, canon = launch.losses(tmp_path), launch.losses(uninterrupted)
     gap = max(abs(a - b) for a, b in zip(ddp, canon))
     print(f"ddp on 2 processes vs canonical over {len(ddp)} steps: max |dloss| = {gap:.3e}")
-    assert 0 < gap < 1e-5  # measured 4.8e-7 here: the same mean, summed in another order
+    assert 0 < gap < 4.8e-6  # within 10x of the 4.8e-7 measured here: the same mean, summed in another order

@@ -150,6 +150,29 @@ def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely
     full.load_state_dict(state)
     x = torch.randint(0, 256, (2, 32))
     gap = (model(x)[0] - full.eval()(x)[0]).abs().max().item()
-    assert 0 < gap < 0.05  # fp16 rounding of the weights, nothing more
+    print(f"fp16 weights vs fp32: max |logit difference| {gap:.3e}")
+    assert 0 < gap < 2.8e-3  # fp16 rounding of the weights, nothing more: within 10x of the 2.8e-4 measured here
     text = generate(model, "The ", max_new_tokens=20, seed=1)
     assert text.startswith("The ") and text == generate(model, "The ", max_new_tokens=20, seed=1)
+
+
+def test_a_failure_on_rank_0_alone_after_a_publish_ends_every_rank_at_once_with_the_error(tmp_path, epochs):
+    """Pruning raises on rank 0 after step 2 is published. Were the others left waiting in a
+    collective, the launch would hang until dist.timeout_s (600 s) and the test time out first."""
+    proc = launch.run(2, *epochs, "checkpoint.interval=2", f"out_dir={tmp_path}", script="tests/failing_prune_train.py", expect=1)
+    assert "saving a checkpoint failed: OSError: [Errno 5] Input/output error (injected)" in proc.stderr
+    assert storage.list_checkpoints(tmp_path / "checkpoints")[0][0] == 2  # published before the failure, and kept
+    assert launch.lines(tmp_path / "metrics.jsonl") == 2  # no rank trained on
+
+
+def test_a_manifest_that_is_a_folder_is_a_damaged_checkpoint_skipped_then_moved_aside_not_deleted(tmp_path, epochs, reference):
+    launch.run(2, *epochs, "checkpoint.interval=2", "train.halt_at=4", f"out_dir={tmp_path}")
+    manifest = tmp_path / "checkpoints" / "step_00000004" / storage.MANIFEST
+    manifest.unlink()
+    manifest.mkdir()  # read_manifest once raised IsADirectoryError on rank 0 alone, and the others waited
+    proc = launch.run(2, *epochs, "checkpoint.interval=2", f"out_dir={tmp_path}")
+    assert "skipping checkpoint step 4: " in proc.stderr and "manifest.json: cannot be read" in proc.stderr
+    [aside] = (tmp_path / "checkpoints" / storage.MOVED_ASIDE).iterdir()  # when step 4 was saved again
+    assert aside.name.startswith("step_00000004-") and (aside / storage.MANIFEST).is_dir()
+    assert "did not verify" in proc.stderr and str(aside) in proc.stderr
+    launch.assert_identical(tmp_path, reference(2))

@@ -80,7 +80,8 @@ def test_world_size_two_to_one_to_two_is_sample_exact_and_close_in_weights(tmp_p
     max_dw = max((a[k] - b[k]).abs().max().item() for k in a)
     max_dloss = max(abs(x["loss"] - y["loss"]) for x, y in zip(got, want))
     print(f"world size 2->1->2 vs 2: max |dw| = {max_dw:.3e}, max |dloss| = {max_dloss:.3e}")
-    assert max_dw < 1e-5 and max_dloss < 1e-5  # measured: 1.2e-7 and 2.4e-7
+    # Within 10x of the figures measured here (deterministic on one machine): 2.6e-8 and 2.4e-7.
+    assert max_dw < 2.6e-7 and max_dloss < 2.4e-6
 
 
 def test_inspect_reads_a_run_folder_and_a_checkpoint_folder(reference):

@@ -233,3 +233,57 @@ def test_a_folder_locked_by_another_process_is_refused_naming_it(tmp_path):
         holder.kill()
         holder.wait()
     runfolder.acquire(tmp_path, 5).release()
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Has process `pid` installed a handler for `sig` (its SigCgt mask in /proc)?"""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("stage", ["before the launch", "waiting for the run folder's lock", "packing the corpus"])
+def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_nothing_lost(tmp_path, epochs, stage):
+    """A scheduler's SIGTERM in the first seconds must mean "resume me" (75), never "bad input" (2)
+    or a death by signal (143): nothing was lost, and no half-written file is left."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    args = [*epochs, f"data.cache_dir={cache}", f"out_dir={out}"]
+    holder = None
+    if stage == "waiting for the run folder's lock":
+        holder = subprocess.Popen(
+            [launch.PY, "-c", "import sys, time; from pathlib import Path; from checkpoint import runfolder; "
+                              "runfolder.acquire(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(120)", str(out)],
+            cwd=launch.ROOT, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        args.append("checkpoint.lock_timeout_s=120")
+    if stage == "packing the corpus":
+        big = tmp_path / "big.jsonl"
+        line = json.dumps({"text": "the model saves a checkpoint at every step boundary " * 20}) + "\n"
+        big.write_text(line * 120_000)  # about 125 MB: packing takes seconds
+        args.append(f"data.path={big}")
+    proc = launch.start(["bash", "scripts/train.sh", *args], tmp_path / "log")
+    try:
+        if stage == "before the launch":
+            launch.wait_for(lambda: catches(proc.pid, signal.SIGTERM), proc=proc)  # the trap is in place
+            os.kill(proc.pid, signal.SIGTERM)  # to the script alone, while it sets up
+        else:
+            if stage == "packing the corpus":
+                launch.wait_for(lambda: any(cache.glob(".*.tmp-*")), proc=proc, timeout=120)
+            else:
+                launch.wait_for(lambda: "is held by" in (tmp_path / "log").read_text(), proc=proc, timeout=120)
+            launch.kill_tree(proc.pid, signal.SIGTERM)  # as a scheduler does: every process of the job
+        assert proc.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if holder:
+            holder.kill()
+            holder.wait()
+    log = (tmp_path / "log").read_text()
+    assert 'train.py", line' not in log  # no traceback through our code (torchrun's agent prints its own on a signal)
+    if stage == "before the launch":
+        assert "stopped before the run started" in log and not out.exists()
+    else:
+        assert "during set-up: nothing to save" in log
+        assert not list(out.glob("checkpoints/*")) and not (out / "metrics.jsonl").exists()
+    if stage == "packing the corpus":
+        assert not any(cache.glob(".*.tmp-*")) and not any(cache.glob("*.bin"))  # no half-written cache

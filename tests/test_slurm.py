@@ -15,16 +15,22 @@ import launch
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 
+LOCAL_CONF = "/var/spool/slurm-local/slurm.conf"  # scripts/slurm/local_cluster.sh's own configuration
+
+
 def cluster_up() -> bool:
     if not shutil.which("sbatch"):
         return False
+    if "SLURM_CONF" not in os.environ and os.path.isfile(LOCAL_CONF):
+        os.environ["SLURM_CONF"] = LOCAL_CONF  # the local cluster, started by hand; jobs inherit it
     return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
 
 
 if not cluster_up():
     if os.environ.get("CI") == "true":  # CI starts the cluster (.ci/run): absent there is a failure, not a skip
         raise RuntimeError("no Slurm cluster: .ci/run should have started one (scripts/slurm/local_cluster.sh start)")
-    pytest.skip("no Slurm here: start one with `sudo bash scripts/slurm/local_cluster.sh start`", allow_module_level=True)
+    pytest.skip("no Slurm here: start one with `sudo bash scripts/slurm/local_cluster.sh start` "
+                "(its clients read SLURM_CONF=/var/spool/slurm-local/slurm.conf)", allow_module_level=True)
 
 
 def submit(tmp_path, *overrides, sbatch=(), env=None) -> str:

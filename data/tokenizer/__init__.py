@@ -170,12 +170,18 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
             yield from iter_documents(corpus)
 
     tok.train_from_iterator(texts(), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:
+        raise TokenizerError(
+            f"--vocab-size {vocab_size}: the corpus gives only {tok.get_vocab_size()} ids (no more merges occur at least "
+            f"--min-frequency {min_frequency} times); use a larger corpus, --vocab-size {tok.get_vocab_size()} or less, "
+            f"or a lower --min-frequency (nothing was written)")
+    from checkpoint.files import atomic_write
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / TOKENIZER_FILE
-    path.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    path = atomic_write(out_dir / TOKENIZER_FILE, tok.to_str(pretty=True) + "\n")
     pad, bos, eos = SPECIALS
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
               "unk_token": pad, "add_bos_token": False, "add_eos_token": False, "model_max_length": 32768,
               "clean_up_tokenization_spaces": False}
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    atomic_write(out_dir / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
     return path

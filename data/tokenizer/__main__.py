@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import TokenizerError, train_bpe
+from . import CONFIG_FILE, TOKENIZER_FILE, TokenizerError, train_bpe
 from ..prepare import BUILTIN, DataError, resolve_source
 
 
@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", type=Path, required=True, help="folder to write tokenizer.json and tokenizer_config.json to")
     t.add_argument("--min-frequency", type=int, default=2, help="a merge must occur at least this often (default %(default)s)")
     t.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help=f"where '{BUILTIN}' is built (default %(default)s)")
+    t.add_argument("--force", action="store_true", help="replace the tokenizer files already in --out")
     args = parser.parse_args(argv)
+    existing = [args.out / name for name in (TOKENIZER_FILE, CONFIG_FILE) if (args.out / name).exists()]
+    if existing and not args.force:
+        print(f"error: --out {args.out} already holds {', '.join(p.name for p in existing)}: a run that uses it would see "
+              f"another tokenizer; choose another folder, or --force to replace them (nothing was written)", file=sys.stderr)
+        return 2
     try:
         sources = [resolve_source(c, args.cache_dir) for c in args.corpora]
         t0 = time.time()

@@ -1,0 +1,77 @@
+"""One way to write a file that must survive a crash or a power loss: a temporary file in the same
+folder, fsynced, given an ordinary mode, renamed over the final name, then the folder fsynced. A
+reader sees the old file or the new one, never a part (docs/design.md I8). Every file the project
+writes goes through here: the status, the metrics after a resume, the config copy, packed corpora,
+tokenizer files, exports. (Checkpoint folders are published by storage.publish, which fsyncs each
+file and the folder the same way and renames the folder.)
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(path: Path) -> Path:
+    """The temporary name a write of `path` uses on this host in this process: hidden, beside it."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def ordinary_mode(fd: int) -> None:
+    """0666 less the umask, as `open()` would have made it (a temporary file may be 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+
+
+@contextmanager
+def atomic_file(path: Path, mode: str = "wb", encoding: str | None = None) -> Iterator:
+    """`with atomic_file(path) as f: f.write(...)`: on a clean exit the bytes are on disk under
+    `path`; on an exception nothing changed there and the temporary file is gone."""
+    path = Path(path)
+    tmp = tmp_name(path)
+    f = open(tmp, mode, encoding=encoding)
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        ordinary_mode(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: Path, data: bytes | str) -> Path:
+    """Replace `path` with `data` (str is written as UTF-8), durably and atomically."""
+    with atomic_file(path, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
+
+
+def durable_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder` (itself included) and give the files ordinary
+    modes: what a folder written in a temporary place needs before it is renamed into view."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            fd = os.open(Path(root) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                ordinary_mode(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
