@@ -9,12 +9,12 @@
 # resume); 2 bad input or config; 1 any other failure.
 # SIGTERM/SIGINT/SIGUSR1 to this script, to torchrun or to the whole tree all end in the agreed save,
 # from the first line of this script on.
-STOP=0
-trap 'STOP=1; forward 2>/dev/null || true' TERM INT USR1
+STOP=0 PID="" FORWARDED=0
+forward() { if [ -n "$PID" ] && [ "$FORWARDED" = 0 ]; then FORWARDED=1; kill -TERM "$PID" 2>/dev/null || true; fi; }
+trap 'STOP=1; forward' TERM INT USR1
 # A stop before the launch (during the venv set-up or the config check) ends here with 75, even
 # when the same signal killed the command that was running then.
 trap 'if [ "$STOP" = 1 ] && [ -z "$PID" ]; then echo "[train.sh] stopped before the run started: nothing lost; exit 75 (run the same command again)" >&2; exit 75; fi' EXIT
-PID=""
 CONFIG=configs/tiny.yaml
 if [ "${1:-}" = "--config" ]; then
   [ -n "${2:-}" ] || { echo "scripts/train.sh: --config needs a file" >&2; exit 2; }
@@ -22,4 +22,17 @@ if [ "${1:-}" = "--config" ]; then
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 NPROC="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
-launch_and_report "$NPROC" "$CONFIG" "$@"
+OUT="$(python -m configs --config "$CONFIG" "$@" --get out_dir)" || exit $?
+export MINIMIND_LAUNCH_ID="${MINIMIND_LAUNCH_ID:-$(python -c 'import uuid; print(uuid.uuid4().hex)')}"
+if [ "$STOP" = 1 ]; then exit 75; fi  # stopped during set-up: nothing started, nothing lost
+# Bash runs a trap only between foreground commands: torchrun runs in the background, and we wait.
+torchrun --standalone --nproc_per_node="$NPROC" train.py --config "$CONFIG" "$@" &
+PID=$!
+if [ "$STOP" = 1 ]; then forward; fi  # a signal between the check above and $! being known
+RC=0
+while :; do
+  RC=0; wait "$PID" || RC=$?
+  kill -0 "$PID" 2>/dev/null || break  # still running: the wait was cut short by a trapped signal
+done
+# torchrun's own status on a signal is its own (1, or death by signal): the run's recorded outcome decides.
+python -m checkpoint status "$OUT" --exit-code --launch-id "$MINIMIND_LAUNCH_ID" --fallback "$RC" --stopped "$STOP" >/dev/null
