@@ -53,12 +53,14 @@ def test_a_second_launch_on_a_held_folder_waits_then_refuses_naming_the_holder_a
 
 def test_a_relaunch_while_the_first_run_is_inside_a_slowed_save_waits_for_it_and_resumes_exactly(tmp_path, epochs, reference):
     out = tmp_path / "run"
+    # 2.5 s a file: the first run's two remaining saves (the one it is in, and the stop's) take about
+    # 15 s, far longer than the relaunch needs to reach the lock, however loaded the machine is.
     first = launch.start(launch.command(2, *epochs, "checkpoint.interval=4", f"out_dir={out}", script=launch.SLOW_SAVE),
-                         tmp_path / "first.log", env={"SLOW_SAVE_S": "1"})
+                         tmp_path / "first.log", env={"SLOW_SAVE_S": "2.5"})
     launch.wait_for(lambda: any((out / "checkpoints").glob(".tmp-step_*")), proc=first)
     launch.kill_tree(first.pid, signal.SIGTERM)  # preempted inside a save; the scheduler relaunches at once
     second = launch.run(2, *epochs, f"out_dir={out}")
-    first.wait(timeout=60)
+    first.wait(timeout=120)
     assert "is held by pid" in second.stderr and "left by an interrupted save" not in second.stderr  # it waited
     assert "stopped on SIGTERM" in (tmp_path / "first.log").read_text()  # the first saved and left on its own
     launch.assert_identical(out, reference(2))
