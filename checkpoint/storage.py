@@ -318,12 +318,24 @@ def find_checkpoint(path: Path, verify_all: bool = False) -> tuple[Path, dict, l
 
 
 def clear_temporaries(root: Path) -> list[Path]:
-    """Remove what killed saves left behind (never loaded, never counted)."""
+    """Remove what killed saves left behind (never loaded, never counted): a save's temporary folder
+    (only the trainer's files). A replaced checkpoint caught on its way out (`.trash-*`) gives up
+    only the files its manifest lists, like any retired checkpoint; what else is in it is moved to
+    moved_aside/, never deleted."""
     removed = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+            if p.name.startswith(_TMP_PREFIX):
                 _remove(p)
+                removed.append(p)
+            elif p.name.startswith(_TRASH_PREFIX):
+                try:
+                    left = retire(p) if not p.is_symlink() else [p.name]
+                except (CheckpointError, OSError):
+                    left = [p.name]
+                if left:
+                    kept = set_aside(root, p, p.name.removeprefix(_TRASH_PREFIX))
+                    log.warning("%s held files the trainer did not write (%s): moved to %s", p, ", ".join(left), kept)
                 removed.append(p)
     return removed
 

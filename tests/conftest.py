@@ -140,3 +140,13 @@ def trained(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("tok") / "a"
     assert train_in_process("--vocab-size", "400", "--out", str(out), str(corpus)) == 0
     return out / "tokenizer.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that mostly wait (real Slurm jobs, torchrun restarts and replaced nodes) first: the
+    workers hand out whole files in this order, so the other files' tests run beside those waits
+    instead of after them (docs/tests.md)."""
+    def waits(item) -> int:
+        return 0 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("elastic") else 2
+
+    items.sort(key=waits)  # stable: the order within each group is kept

@@ -290,3 +290,15 @@ def test_a_valid_step_folder_replaced_by_a_rerun_keeps_the_files_a_user_put_ther
     publish_step(tmp_path, 10, value=2.0)
     [aside] = (tmp_path / storage.MOVED_ASIDE).iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["notes.txt"] and "held files the trainer did not write (notes.txt)" in caplog.text
+
+
+def test_a_replaced_checkpoint_caught_on_its_way_out_by_a_crash_keeps_a_users_files(tmp_path):
+    """A crash between moving a replaced step folder aside (.trash-*) and retiring it: the next
+    start removes only the checkpoint's own files and sets the rest aside."""
+    folder = publish_step(tmp_path, 10)
+    (folder / "notes.txt").write_text("mine")
+    trash = tmp_path / ".trash-step_00000010-abcd1234"
+    folder.rename(trash)
+    assert storage.clear_temporaries(tmp_path) == [trash] and not trash.exists()
+    [aside] = (tmp_path / storage.MOVED_ASIDE).iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["notes.txt"] and (aside / "notes.txt").read_text() == "mine"

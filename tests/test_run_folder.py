@@ -107,20 +107,22 @@ def test_a_symlinked_step_folder_is_skipped_and_nothing_outside_is_opened_or_del
     launch.assert_identical(out, reference(0))
 
 
-@pytest.mark.parametrize("target", ["the whole tree", "torchrun alone"])
-def test_sigterm_makes_scripts_train_sh_exit_75_and_running_it_again_ends_bit_identical(tmp_path, epochs, reference, target):
+def test_sigterm_to_torchrun_alone_or_the_whole_tree_makes_scripts_train_sh_exit_75_and_the_run_ends_bit_identical(tmp_path, epochs, reference):
+    """The first launch: SIGTERM to torchrun alone; the second: to the whole tree, as a scheduler
+    does; the third finishes. Each stop exits 75 with its checkpoint, and the run equals the reference."""
     out = tmp_path / "run"
     cmd = ["bash", "scripts/train.sh", *epochs, "train.steps=20", f"out_dir={out}"]
-    proc = launch.start(cmd, tmp_path / "log")
-    launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 2, proc=proc)
-    if target == "the whole tree":
-        launch.kill_tree(proc.pid, signal.SIGTERM)
-    else:
-        agent = next(p for p in launch.children(proc.pid) if b"torch" in open(f"/proc/{p}/cmdline", "rb").read())
-        os.kill(agent, signal.SIGTERM)
-    assert proc.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
-    status = runfolder.read_status(out)
-    assert status["state"] == "stopped" and status["exit_code"] == 75 and status["step"] == launch.lines(out / "metrics.jsonl")
+    for target, at in (("torchrun alone", 2), ("the whole tree", 6)):
+        proc = launch.start(cmd, tmp_path / f"log-{at}")
+        launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= at, proc=proc)
+        if target == "the whole tree":
+            launch.kill_tree(proc.pid, signal.SIGTERM)
+        else:
+            agent = next(p for p in launch.children(proc.pid) if b"torch" in open(f"/proc/{p}/cmdline", "rb").read())
+            os.kill(agent, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, (tmp_path / f"log-{at}").read_text()[-3000:]
+        status = runfolder.read_status(out)
+        assert status["state"] == "stopped" and status["exit_code"] == 75 and status["step"] == launch.lines(out / "metrics.jsonl")
     code = subprocess.run(["bash", "scripts/train.sh", *epochs, f"out_dir={out}"], cwd=launch.ROOT, capture_output=True,
                           timeout=300).returncode
     assert code == 0

@@ -92,16 +92,16 @@ def test_tensorboard_curves_of_a_sigkilled_and_resumed_run_hold_every_step_once_
 
 def test_a_run_killed_before_its_first_checkpoint_and_started_again_shows_each_step_once_in_tensorboard(tmp_path, watched):
     ref, out = tmp_path / "ref", tmp_path / "run"
-    args = [*watched, "train.steps=200", "checkpoint.interval=0", "eval.interval=0", "log.tracker=tensorboard"]
+    args = [*watched, "train.steps=60", "checkpoint.interval=0", "eval.interval=0", "log.tracker=tensorboard"]
     assert launch.in_process(*args, f"out_dir={ref}")[0] == 0
     proc = launch.start(launch.command(0, *args, f"out_dir={out}"), tmp_path / "log")
     launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= 3, proc=proc)
-    launch.kill_tree(proc.pid, signal.SIGKILL)  # long before step 200: no checkpoint yet
+    launch.kill_tree(proc.pid, signal.SIGKILL)  # long before step 60: no checkpoint yet
     proc.wait(timeout=60)
     assert not storage.list_checkpoints(out / "checkpoints") and tensorboard_scalars(out, "train/loss")
     launch.run(0, *args, f"out_dir={out}")  # a fresh start in the same folder
     got, want = tensorboard_scalars(out, "train/loss"), tensorboard_scalars(ref, "train/loss")
-    assert [s for s, _ in got] == list(range(1, 201))  # steps 1..k of the killed run are purged, not shown twice
+    assert [s for s, _ in got] == list(range(1, 61))  # steps 1..k of the killed run are purged, not shown twice
     assert got == want
 
 
