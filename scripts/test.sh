@@ -3,7 +3,8 @@
 # the test suite (CPU, gloo). Extra arguments go to pytest (e.g. -m unit; docs/tests.md).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_test_requirements
-# Three workers, whole files each (module fixtures are built once per file); PYTEST_WORKERS=0 runs
-# in this process. Three on two cores: much of a launch is waiting (a slowed disk, a rendezvous,
-# Slurm's scheduler), so a third worker fills the idle core (docs/tests.md).
-exec python -m pytest tests -n "${PYTEST_WORKERS:-3}" --dist loadfile "$@"
+# Three workers, test by test, an idle worker taking queued tests from a busy one (a module's
+# fixtures are built on each worker that runs its tests); PYTEST_WORKERS=0 runs in this process.
+# Three on two cores: much of a launch is waiting (a slowed disk, a rendezvous, Slurm's
+# scheduler), so a third worker fills the idle core (docs/tests.md).
+exec python -m pytest tests -n "${PYTEST_WORKERS:-3}" --dist worksteal "$@"
