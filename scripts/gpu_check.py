@@ -109,7 +109,9 @@ def throughput(work: Path, base: list[str], steps: int, device: str) -> list[dic
              "ok": None, "tokens_per_s": tps, "mfu": mfu}]  # a report: no aim, no verdict
 
 
-def stalls(work: Path, base: list[str], steps: int) -> list[dict]:
+def stalls(work: Path, base: list[str], steps: int, aimed: bool) -> list[dict]:
+    """Sync against async save stall; `aimed`: the aim applies (MiniMind2-small's shape, not the
+    dry run's shrunk model, whose save is mostly fixed costs)."""
     found = {}
     for mode in ("false", "true"):
         out = work / f"stall-{mode}"
@@ -120,8 +122,9 @@ def stalls(work: Path, base: list[str], steps: int) -> list[dict]:
         pattern = r"snapshot taken in ([\d.]+)s" if mode == "true" else r"saved \S+: step \d+, ([\d.]+)s"
         found[mode] = statistics.median(float(x) for x in re.findall(pattern, err)[1:] or re.findall(pattern, err))
     ratio = found["true"] / found["false"]
+    aim = f"aim <= {STALL_AIM}" if aimed else f"a report: the aim <= {STALL_AIM} is for the MiniMind2-small shape, shrunk in the dry run"
     return [{"check": "save stall at a step boundary, MiniMind2-small shape", "result": f"async {found['true'] * 1e3:.0f} ms vs sync {found['false'] * 1e3:.0f} ms",
-             "detail": f"ratio {ratio:.3f} (aim <= {STALL_AIM})", "ok": ratio <= STALL_AIM, "ratio": ratio}]
+             "detail": f"ratio {ratio:.3f} ({aim})", "ok": ratio <= STALL_AIM if aimed else None, "ratio": ratio}]
 
 
 def main() -> int:
@@ -146,7 +149,7 @@ def main() -> int:
         small += shrink
     rows = exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 60, device)
     rows += throughput(work, small, 8 if a.cpu_dry_run else 40, device)
-    rows += stalls(work, small, 8 if a.cpu_dry_run else 20)
+    rows += stalls(work, small, 8 if a.cpu_dry_run else 20, aimed=not a.cpu_dry_run)
     info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
             "gpus": torch.cuda.device_count() if device == "cuda" else 0, "seconds": round(time.time() - t0, 1)}

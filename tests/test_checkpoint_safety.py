@@ -155,7 +155,9 @@ def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely
     gap = (model(x)[0] - full.eval()(x)[0]).abs().max().item()
     print(f"fp16 weights vs fp32: max |logit difference| {gap:.3e}")
     assert 0 < gap < 2.8e-3  # fp16 rounding of the weights, nothing more: within 10x of the 2.8e-4 measured here
+    torch.manual_seed(1)
     text = generate(model, "The ", max_new_tokens=20, seed=1)
+    torch.manual_seed(2)  # the global generator moved: sampling draws from its own, seeded by `seed`
     assert text.startswith("The ") and text == generate(model, "The ", max_new_tokens=20, seed=1)
 
 

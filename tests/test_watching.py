@@ -59,7 +59,9 @@ def test_the_validation_loss_is_the_same_on_one_and_two_processes(tmp_path, watc
     if reduce == "canonical":
         assert runs[0] == runs[2]  # the same weights, the same sum in the same order
     else:
-        assert gap < 1e-6  # the weights differ in the last bits: 1 vs 2 processes reduce in another order
+        # The weights differ in the last bits (1 vs 2 processes reduce in another order): within 10x of
+        # the 1.0e-8 measured here.
+        assert gap < 1e-7
 
 
 def tensorboard_scalars(out, tag):
