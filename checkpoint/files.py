@@ -23,16 +23,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_path(path: Path) -> None:
+    """Make a file's data durable (it may have been written through another descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_prefix(path: Path) -> str:
+    """The start of the temporary names of `path` written on this host, whatever the process."""
+    return f".{path.name}.tmp-{socket.gethostname()}-"
+
+
 def tmp_name(path: Path) -> Path:
     """The temporary name a write of `path` uses on this host in this process: hidden, beside it."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    return path.with_name(f"{tmp_prefix(path)}{os.getpid()}")
 
 
-def ordinary_mode(fd: int) -> None:
-    """0666 less the umask, as `open()` would have made it (a temporary file may be 0600)."""
+def ordinary_mode() -> int:
+    """0666 less the umask: the mode `open()` gives a new file (a temporary file may be 0600)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+    return 0o666 & ~umask
 
 
 @contextmanager
@@ -46,7 +60,7 @@ def atomic_file(path: Path, mode: str = "wb", encoding: str | None = None) -> It
         yield f
         f.flush()
         os.fsync(f.fileno())
-        ordinary_mode(f.fileno())
+        os.fchmod(f.fileno(), ordinary_mode())
         f.close()
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -68,10 +82,6 @@ def durable_tree(folder: Path) -> None:
     modes: what a folder written in a temporary place needs before it is renamed into view."""
     for root, _, names in os.walk(folder):
         for name in names:
-            fd = os.open(Path(root) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                ordinary_mode(fd)
-            finally:
-                os.close(fd)
+            fsync_path(Path(root) / name)
+            os.chmod(Path(root) / name, ordinary_mode())
         fsync_dir(Path(root))

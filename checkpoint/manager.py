@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from . import rng, runfolder, storage
-from .files import atomic_write
+from .files import atomic_write, fsync_path
 from .config import CheckpointConfig
 
 log = logging.getLogger("minimind")
@@ -377,11 +376,7 @@ class CheckpointManager:
             self.wait()  # the previous async save, before a new one
             # The log up to this step is as durable as the checkpoint of this step (docs/design.md I11).
             if self.metrics_path.exists():
-                fd = os.open(self.metrics_path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(self.metrics_path)
             pin = background and self.comm.device.type == "cuda"
             snapshot = {name: obj.state_dict() for name, obj in states.items()}
             if background:

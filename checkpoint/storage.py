@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -225,8 +226,6 @@ def _take_out_of_the_way(root: Path, final: Path) -> tuple[Path, str | None]:
 
 def set_aside(root: Path, folder: Path, name: str) -> Path:
     """Move `folder` whole to root/moved_aside/<name>-<UTC time>; fsynced. The caller logs why."""
-    import time
-
     aside = root / MOVED_ASIDE
     aside.mkdir(exist_ok=True)
     dest = aside / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:4]}"

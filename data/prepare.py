@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import queue
-import socket
 import sys
 import sysconfig
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.files import atomic_file, atomic_write
+from checkpoint.files import atomic_file, atomic_write, tmp_prefix
 
 from . import tokenizer
 
@@ -52,7 +51,7 @@ def _alive(pid: int) -> bool:
 def clear_stale_temporaries(path: Path) -> list[Path]:
     """Remove temp files of `path` left by a preparation killed on this host (its pid is gone).
     Another host's, or a live process's, are left alone: they may still be writing."""
-    removed, prefix = [], f".{path.name}.tmp-{socket.gethostname()}-"
+    removed, prefix = [], tmp_prefix(path)
     for p in path.parent.glob(f".{path.name}.tmp-*"):
         pid = p.name[len(prefix):] if p.name.startswith(prefix) else ""
         if pid.isdigit() and not _alive(int(pid)):

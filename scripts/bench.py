@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import train  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, runfolder  # noqa: E402
+from checkpoint.files import fsync_dir  # noqa: E402
 from configs import load_config, to_dict  # noqa: E402
 from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
 from model import MiniMindLM, ModelConfig  # noqa: E402
@@ -78,12 +79,6 @@ def trained_states(mcfg: ModelConfig, tokens: int = 16) -> tuple[MiniMindLM, tor
 _BLOCK = 4 << 20  # the raw writes' block: large, and a multiple of every O_DIRECT alignment
 
 
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
 def raw_write_overlapped(folder: Path, files: dict[str, bytes]) -> float:
     """Seconds to write these bytes as plain files through the page cache in 4 MiB blocks, starting
     each block's writeback as soon as it is written (sync_file_range, as our save does), then an
@@ -101,7 +96,7 @@ def raw_write_overlapped(folder: Path, files: dict[str, bytes]) -> float:
                 _start_writeback(fd, off, n)
         os.fsync(fd)
         os.close(fd)
-    _fsync_folder(folder)
+    fsync_dir(folder)
     dt = time.perf_counter() - t0
     shutil.rmtree(folder)
     return dt
@@ -130,7 +125,7 @@ def raw_write_direct(folder: Path, files: dict[str, bytes]) -> float | None:
             os.ftruncate(fd, len(data))
             os.fsync(fd)
             os.close(fd)
-        _fsync_folder(folder)
+        fsync_dir(folder)
         return time.perf_counter() - t0
     except OSError:
         return None
