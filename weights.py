@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import storage
-from checkpoint.files import atomic_file, durable_tree, fsync_dir
+from checkpoint.files import atomic_file, durable_tree, fsync_path
 from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
 from inference import tokenizer_files
@@ -131,7 +131,7 @@ def _atomic_folder(out: Path, write) -> Path:
         write(tmp)
         durable_tree(tmp)
         os.replace(tmp, out)
-        fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -14,17 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_path(path: Path) -> None:
-    """Make a file's data durable (it may have been written through another descriptor)."""
+    """Make a file's data, or a folder's entries (a rename, a new file), durable; the file may have
+    been written through another descriptor."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -63,7 +55,7 @@ def atomic_file(path: Path, mode: str = "wb", encoding: str | None = None) -> It
         os.fchmod(f.fileno(), ordinary_mode())
         f.close()
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         f.close()
         tmp.unlink(missing_ok=True)
@@ -84,4 +76,4 @@ def durable_tree(folder: Path) -> None:
         for name in names:
             fsync_path(Path(root) / name)
             os.chmod(Path(root) / name, ordinary_mode())
-        fsync_dir(Path(root))
+        fsync_path(Path(root))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
-from .files import fsync_dir
+from .files import fsync_path
 from .runfolder import CHECKPOINTS
 
 RESUME_FILE = "resume.pth"
@@ -183,14 +183,14 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
         manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
         _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
-        fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists() or final.is_symlink():
             # A folder of this step exists (a rerun of the step after a resume from an older one).
             # It is never deleted whole: one that verifies gives up only the files its manifest lists
             # (anything a user put there stays, set aside); one that does not verify is set aside as it is.
             old, why = _take_out_of_the_way(root, final)
             os.replace(tmp, final)
-            fsync_dir(root)
+            fsync_path(root)
             if why is None:
                 left = retire(old)
                 if left:
@@ -201,7 +201,7 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
                 log.warning("step %d: the previous %s did not verify (%s); moved to %s, not deleted", step, final.name, why, old)
         else:
             os.replace(tmp, final)
-        fsync_dir(root)
+        fsync_path(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception):
@@ -230,8 +230,8 @@ def set_aside(root: Path, folder: Path, name: str) -> Path:
     aside.mkdir(exist_ok=True)
     dest = aside / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:4]}"
     os.replace(folder, dest)
-    fsync_dir(aside)
-    fsync_dir(root)
+    fsync_path(aside)
+    fsync_path(root)
     return dest
 
 

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import train  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, runfolder  # noqa: E402
-from checkpoint.files import fsync_dir  # noqa: E402
+from checkpoint.files import fsync_path  # noqa: E402
 from configs import load_config, to_dict  # noqa: E402
 from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
 from model import MiniMindLM, ModelConfig  # noqa: E402
@@ -96,7 +96,7 @@ def raw_write_overlapped(folder: Path, files: dict[str, bytes]) -> float:
                 _start_writeback(fd, off, n)
         os.fsync(fd)
         os.close(fd)
-    fsync_dir(folder)
+    fsync_path(folder)
     dt = time.perf_counter() - t0
     shutil.rmtree(folder)
     return dt
@@ -125,7 +125,7 @@ def raw_write_direct(folder: Path, files: dict[str, bytes]) -> float | None:
             os.ftruncate(fd, len(data))
             os.fsync(fd)
             os.close(fd)
-        fsync_dir(folder)
+        fsync_path(folder)
         return time.perf_counter() - t0
     except OSError:
         return None
