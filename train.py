@@ -9,12 +9,14 @@ in out_dir and ends bit-for-bit where the uninterrupted run would (docs/resuming
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +34,9 @@ from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, Checkp
 from checkpoint.files import atomic_write
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, load_tokenizer, to_dict
+from data import handoff
+from data.chat import ChatOptions
+from data.dataset import ChatDataset
 from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
                   resolve_source, unigram_entropy)
 from model import MiniMindLM
@@ -58,40 +63,65 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
 
 
 def prepare_data(cfg: Config, rt: runtime.Runtime, tok) -> tuple[PackedDataset, PackedDataset | None, dict]:
-    """Pack the corpus (and a validation file) with tokenizer `tok` once per node (local rank 0),
-    then every rank maps the same files. Returns the training set, the validation set (or None) and
-    the fingerprint."""
+    """Pack the corpus (and a validation file) with tokenizer `tok` once per node (its first rank;
+    rank 0 alone with data.shared_cache), then every rank maps the same files. The others wait on
+    the packer's hand-off file, not in a collective: packing may take longer than dist.timeout_s
+    (docs/data.md). Returns the training set, the validation set (or None) and the fingerprint."""
     cache = Path(cfg.data.cache_dir)
-    result = None
-    if rt.local_rank == 0:
+    chat = None
+    if cfg.data.format == "chat":
+        chat = ChatOptions(cfg.data.loss_on, cfg.data.pack, cfg.data.drop_long, cfg.data.system_prompt_ratio, cfg.seed)
+    token = rt.broadcast(uuid.uuid4().hex[:12]) if rt.world_size > 1 else "solo"
+    packer = 0 if cfg.data.shared_cache else rt.rank - rt.local_rank
+    path = handoff.handoff_path(cache, token, packer)
+    if rt.rank == packer:
+        result = {}
         try:
-            bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache, tok)
-            result = {"bin": str(bin_path), "meta": meta}
-            if cfg.data.val_path:
-                val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache, "data.val_path"), cfg.model.seq_len, cache, tok)
-                result.update(val_bin=str(val_bin), val_meta=val_meta)
-        except DataError as e:
-            result = {"error": str(e)}
-        except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
+            with handoff.Heartbeat(path) if rt.world_size > 1 else contextlib.nullcontext() as beat:
+                handoff.clear_stale(cache, path)
+                watch = beat.watch if beat else None
+                try:
+                    bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache, tok,
+                                          verify=cfg.data.verify_source, watch=watch, chat=chat)
+                    result = {"bin": str(bin_path), "meta": meta}
+                    if cfg.data.val_path:
+                        val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache, "data.val_path"), cfg.model.seq_len,
+                                                 cache, tok, verify=cfg.data.verify_source, watch=watch, chat=chat)
+                        result.update(val_bin=str(val_bin), val_meta=val_meta)
+                except DataError as e:
+                    result = {"error": str(e)}
+                except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
+                    result = {"error": f"{e.filename or cfg.data.cache_dir}: {e.strerror or e}", "io": True}
+                if beat:
+                    beat.finish(result)
+        except OSError as e:  # the hand-off file itself
             result = {"error": f"{e.filename or cfg.data.cache_dir}: {e.strerror or e}", "io": True}
-    # Everyone waits for the packer, and fails together if it failed.
+    else:
+        result = handoff.wait(path, cfg.dist.timeout_s, talk=rt.rank == packer + 1)
+    # Everyone has the outcome by now: this collective does not wait for packing. It fails every rank together.
     results = rt.all_gather(result)
-    failed = [r for r in results if r and "error" in r]
+    if rt.rank == packer:
+        path.unlink(missing_ok=True)
+    failed = [r for r in results if "error" in r]
     if failed:
         raise (OSError if failed[0].get("io") else DataError)(failed[0]["error"])
-    mine = result or next(r for r in results if r)  # ranks without a packer use rank 0's answer
+    mine = result
     held_out, dtype = cfg.data.val_samples, mine["meta"]["dtype"]
-    corpus = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples, dtype=dtype)
+    kind = ChatDataset if chat else PackedDataset
+    corpus = kind(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {cfg.model.seq_len + 1} tokens")
-    dataset = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out, dtype=dtype)
+    dataset = kind(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out, dtype=dtype)
     val = None
     if held_out:  # the tail: the same samples on every world size, never in a training batch
-        val = PackedDataset(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out, dtype=dtype)
+        val = kind(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out, dtype=dtype)
     elif cfg.data.val_path:
-        val = PackedDataset(Path(mine["val_bin"]), cfg.model.seq_len, dtype=dtype)
-    fingerprint = {**mine["meta"], "num_samples": len(dataset), "val_samples": len(val) if val else 0,
-                   **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.data.val_path else {})}
+        val = kind(Path(mine["val_bin"]), cfg.model.seq_len, dtype=dtype)
+    # What identifies the corpus, without when each file was last checked (data/prepare.py).
+    fingerprint = {**{k: v for k, v in mine["meta"].items() if k != "sources"}, "num_samples": len(dataset),
+                   "val_samples": len(val) if val else 0,
+                   **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.data.val_path else {}),
+                   **({"order": cfg.data.order} if cfg.data.order != "randperm" else {})}  # absent: randperm, as before the option
     return dataset, val, fingerprint
 
 
@@ -114,10 +144,15 @@ def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
             pairs = [val[i] for i in range(b * m, min((b + 1) * m, n))]
             x = torch.stack([p[0] for p in pairs]).to(rt.device)
             y = torch.stack([p[1] for p in pairs]).to(rt.device)
+            pos = torch.stack([p[2] for p in pairs]).to(rt.device) if len(pairs[0]) == 3 else None  # chat rows
             with autocast:
-                logits, _ = run.model(x)
+                logits, _ = run.model(x, positions=pos)
             token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-            mine.append((b, token_loss.view(len(pairs), -1).double().mean(1).tolist()))
+            token_loss = token_loss.view(len(pairs), -1).double()
+            if pos is None:
+                mine.append((b, token_loss.mean(1).tolist()))
+            else:  # a row's loss: the mean over its taught tokens (cross_entropy gives 0 where the target is -100)
+                mine.append((b, (token_loss.sum(1) / (y != -100).sum(1)).tolist()))
     run.model.train(was_training)
     per_sample = [loss for _, losses in sorted(pair for part in rt.all_gather(mine) for pair in part) for loss in losses]
     total = 0.0
@@ -173,7 +208,8 @@ def step_batches(dataset, sampler: BlockDistributedSampler, epoch: int, first: i
 
 # What a resume checks against the checkpoint (dotted paths into the resume file -> the name users know).
 MUST_MATCH = {"config.seed": "seed", "global_batch": "train.global_batch",
-              **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "tokenizer", "seq_len", "num_samples")}}
+              **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "files", "tokenizer", "seq_len", "num_samples", "options")},
+              "data_fingerprint.order": "data.order"}
 _DIFFERS = "the optimization from here on differs from the uninterrupted run"
 MAY_CHANGE = {
     "config.train.steps": ("train.steps", "the LR schedule from here on spans the new count"),
@@ -221,14 +257,20 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
                        # model.init_from is where a run began: a resume continues it whatever the key says now
                        f"config.model.{k}": f"model.{k}" for k in to_dict(cfg.model) if k != "init_from"}, MAY_CHANGE, tok.files)
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
-    entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1), dataset.dtype) if rt.is_main else float("nan")
+    chat = cfg.data.format == "chat"  # the unigram entropy is the pretraining yardstick; a chat run's is its taught tokens'
+    entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1), dataset.dtype) if rt.is_main and not chat else float("nan")
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
         log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
                  len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
-        log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)", entropy)
+        if not chat:
+            log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)", entropy)
+        else:
+            m = fingerprint
+            log.info("data: %d conversations, %d of %d tokens taught (data.loss_on=%s), %.1f%% of the rows' positions padding",
+                     m["conversations"], m["taught"], m["tokens"], cfg.data.loss_on, 100 * m["padding"] / max(1, m["tokens"] + m["padding"]))
     return run
 
 
@@ -246,20 +288,28 @@ def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
     return reducer
 
 
-def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int) -> float:
+def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int,
+               taught: int | None = None) -> float:
     """Forward/backward over this rank's micro-batches, reduce, clip, optimizer step. Returns the
-    step's loss, averaged over the global batch."""
+    step's loss, averaged over the global batch: over its tokens, or for chat data over its `taught`
+    tokens (the global count: each micro-batch's summed loss is scaled by M / taught, so what the
+    reducers average over the M micro-batches is the sum over every taught token / their count,
+    whatever the split; docs/design.md I17)."""
     autocast = runtime.autocast(rt.device, cfg.train.dtype)
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
     scaler = run.scaler
-    for j, (x, y) in enumerate(micro_batches):
+    for j, batch in enumerate(micro_batches):
         i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (docs/design.md I4)
-        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        x, y = batch[0].to(rt.device, non_blocking=True), batch[1].to(rt.device, non_blocking=True)
         # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (docs/design.md I6).
         with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
             torch.manual_seed(runtime.derive_seed(cfg.seed, epoch, s, i))
             with autocast:
-                _, loss = reducer.net(x, y)
+                if taught is None:
+                    _, loss = reducer.net(x, y)
+                else:
+                    _, loss = reducer.net(x, y, positions=batch[2].to(rt.device, non_blocking=True), reduction="sum")
+                    loss = loss * run.plan.micro_batches / taught
             reducer.backward(loss, j, scaler.scale if scaler else None)
     loss = reducer.reduce()
     if scaler:
@@ -336,7 +386,7 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
     if resumed:
         log_position(resumed, run, epoch, first)
     reducer = make_reducer(cfg, rt, run)
-    sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed)
+    sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed, cfg.data.order)
     step = start = run.train_state.step
     metrics = Metrics(cfg, rt, run, sampler, start)
     halted = 0 < cfg.train.halt_at <= start
@@ -351,7 +401,8 @@ def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag) -> tuple[str, int]:
         lr = lr_at(step, cfg.train)
         for group in run.opt.param_groups:
             group["lr"] = lr
-        loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
+        taught = run.dataset.taught(sampler.step_indices(s)) if cfg.data.format == "chat" else None
+        loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s, taught)
         step += 1
         seconds = time.perf_counter() - t0
         # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (docs/design.md I7).
@@ -423,8 +474,9 @@ def report(cfg: Config, rt: runtime.Runtime, stop: StopFlag, reason: str | None,
     elif rt.is_main and losses:
         tail = losses[-min(10, len(losses)):]
         val = metrics.val_loss
-        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (the corpus's unigram entropy: %.4f)%s",
-                 reason, step, losses[-1], len(tail), sum(tail) / len(tail), entropy,
+        yardstick = f"the corpus's unigram entropy: {entropy:.4f}" if entropy == entropy else "over the taught tokens"
+        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (%s)%s",
+                 reason, step, losses[-1], len(tail), sum(tail) / len(tail), yardstick,
                  f"; validation loss {val[1]:.4f} at step {val[0]}" if val else "")
     elif rt.is_main:
         log.info("nothing to do: the run is at step %d of %d", step, cfg.train.steps)

@@ -326,8 +326,16 @@ class CheckpointManager:
             source = lookup(tree, f"{dotted}_source")
             return f"{lookup(tree, dotted)}{f' ({source})' if source else ''}"
 
-        diffs = [f"{label} is {said(payload, dotted)} in the checkpoint, {said(ours, dotted)} in this run"
-                 for dotted, label in self.meta.must_match.items() if lookup(payload, dotted) != lookup(ours, dotted)]
+        def differs(dotted: str, label: str) -> str:
+            then, now = lookup(payload, dotted), lookup(ours, dotted)
+            if isinstance(then, dict) and isinstance(now, dict):  # e.g. a corpus's files: name the keys that differ
+                parts = [f"{k} {what}" for k, what in (
+                    *((k, "is gone") for k in then if k not in now), *((k, "is new") for k in now if k not in then),
+                    *((k, "changed") for k in then if k in now and then[k] != now[k]))]
+                return f"{label}: {', '.join(parts)} since the checkpoint"
+            return f"{label} is {said(payload, dotted)} in the checkpoint, {said(ours, dotted)} in this run"
+
+        diffs = [differs(dotted, label) for dotted, label in self.meta.must_match.items() if lookup(payload, dotted) != lookup(ours, dotted)]
         if diffs:
             raise storage.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
 

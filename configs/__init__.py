@@ -16,6 +16,8 @@ import yaml
 
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
+from data.prepare import VERIFY
+from data.sampler import ORDERS
 from model.config import ModelConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
@@ -66,7 +68,8 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = "stdlib"
-    """A MiniMind pretrain JSONL file ({"text": ...} per line), or 'stdlib' for the built-in corpus."""
+    """A MiniMind pretrain JSONL file ({"text": ...} per line, .gz or not), a directory or a glob of .jsonl /
+    .jsonl.gz files (their documents in name order), or 'stdlib' for the built-in corpus."""
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes + BOS/EOS/PAD: 259 ids) or the path of a Hugging Face tokenizer.json (e.g. MiniMind's),
     with its tokenizer_config.json beside it naming bos/eos/pad; model.vocab_size follows it."""
@@ -81,11 +84,37 @@ class DataConfig:
     val_samples: int = 0
     """Hold out the last N packed samples (of the first data.num_samples, when set) for validation;
     training never sees them. The same rule on every world size."""
+    format: str = "text"
+    """text: pretraining ({"text": ...} lines) | chat: conversations ({"conversations": [...]}, MiniMind's SFT files)
+    rendered with the tokenizer's chat template (docs/sft.md)."""
+    loss_on: str = "assistant"
+    """chat: assistant (only the assistant turns teach: MiniMind's rule) | all (every token of the conversation)."""
+    pack: bool = True
+    """chat: pack whole conversations into rows of model.seq_len without cross-attention | false: one padded conversation per row."""
+    drop_long: bool = False
+    """chat: drop a conversation longer than model.seq_len instead of truncating it (both are counted in the log)."""
+    system_prompt_ratio: float = 0.0
+    """chat: give this fraction of the conversations without a system turn a system prompt, a pure function of
+    (seed, conversation index) (MiniMind uses 0.2)."""
+    order: str = "randperm"
+    """randperm (torch's DistributedSampler order, 8 bytes a sample per rank) | bijective (a keyed permutation
+    computed per micro-batch: constant memory for any corpus). Fixed for a run."""
+    verify_source: str = "stat"
+    """stat: a packed corpus is reused when its files keep their size, mtime and inode | full: hash them again."""
+    shared_cache: bool = False
+    """false: each node's first rank packs into its data.cache_dir | true: data.cache_dir is one shared file
+    system and rank 0 packs for every node."""
 
     def __post_init__(self) -> None:
         _positive("data.num_samples", self.num_samples, zero_ok=True)
         _positive("data.num_workers", self.num_workers, zero_ok=True)
         _positive("data.val_samples", self.val_samples, zero_ok=True)
+        choice("data.order", self.order, ORDERS)
+        choice("data.format", self.format, ("text", "chat"))
+        choice("data.loss_on", self.loss_on, ("assistant", "all"))
+        if not 0.0 <= self.system_prompt_ratio <= 1.0:
+            raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
+        choice("data.verify_source", self.verify_source, VERIFY)
         if self.val_path and self.val_samples:
             raise ConfigError("data.val_path and data.val_samples: give one validation set, not both")
 

@@ -1,6 +1,7 @@
 """The packed dataset: sample index -> (input, target), read from a memmap, never loaded whole."""
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,11 @@ class PackedDataset(Dataset):
     """Samples of `seq_len + 1` token ids (uint16 or uint32 in the file); `num_samples` > 0 keeps only the first N, and `start` skips
     the first samples (a held-out validation set is the tail of the file's first N)."""
 
+    ROW_PLANES = None  # a row is seq_len + 1 ids
+
     def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
-        self.bin_path, self.row, self.start, self.dtype = Path(bin_path), seq_len + 1, start, np.dtype(dtype)
+        self.bin_path, self.start, self.dtype, self.seq_len = Path(bin_path), start, np.dtype(dtype), seq_len
+        self.row = seq_len + 1 if self.ROW_PLANES is None else self.ROW_PLANES * seq_len
         available = self.bin_path.stat().st_size // (self.dtype.itemsize * self.row)
         if num_samples > available:
             from .prepare import DataError
@@ -26,7 +30,12 @@ class PackedDataset(Dataset):
     def _rows(self) -> np.ndarray:
         # Opened lazily so that DataLoader workers each map the file instead of pickling it.
         if self._data is None:
-            self._data = np.memmap(self.bin_path, dtype=self.dtype, mode="r").reshape(-1, self.row)
+            with open(self.bin_path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # Samples are read at random places: without this, each page fault reads the disk's whole
+            # read-ahead window around it (8 MiB here), hundreds of times what a sample needs.
+            mapped.madvise(mmap.MADV_RANDOM)
+            self._data = np.frombuffer(mapped, dtype=self.dtype).reshape(-1, self.row)
         return self._data
 
     def __getstate__(self) -> dict:
@@ -40,3 +49,37 @@ class PackedDataset(Dataset):
             raise IndexError(index)
         row = torch.from_numpy(self._rows()[self.start + index].astype(np.int64))
         return row[:-1], row[1:]
+
+
+class ChatDataset(PackedDataset):
+    """Rows of packed conversations (data/chat.py): (input ids, targets with -100 where nothing is
+    taught, positions restarting at 0 for each conversation), each of seq_len; the file stores
+    them as three planes, targets + 1 (0: not taught). `taught(indices)` counts the taught tokens of
+    those rows from the count packing wrote beside the file, without reading the rows."""
+
+    ROW_PLANES = 3
+    chat = True
+
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
+        super().__init__(bin_path, seq_len, num_samples, start, dtype)
+        from .prepare import taught_path
+
+        self._taught = np.load(taught_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_taught": None}
+
+    def __setstate__(self, state: dict) -> None:
+        from .prepare import taught_path
+
+        self.__dict__.update(state)
+        self._taught = np.load(taught_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+
+    def taught(self, indices: list[int]) -> int:
+        return int(self._taught[np.asarray(indices, dtype=np.int64) + self.start].sum(dtype=np.int64))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        x, y, pos = torch.from_numpy(self._rows()[self.start + index].astype(np.int64)).view(3, self.seq_len)
+        return x, y - 1 - 99 * (y == 0), pos  # stored + 1, 0 for "not taught": back to -100

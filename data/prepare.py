@@ -1,11 +1,13 @@
 """Corpus preparation: MiniMind pretrain JSONL -> packed token file (numpy memmap) + fingerprint.
 
-Each line of the source is `{"text": "..."}`. Documents are encoded as BOS + ids + EOS (the byte
+The source is one file, a directory or a glob of `.jsonl` / `.jsonl.gz` files (data/sources.py);
+each line is `{"text": "..."}`. Documents are encoded as BOS + ids + EOS (the byte
 tokenizer's, or a tokenizer file's: data/tokenizer), joined, and cut into samples of `seq_len + 1`
 tokens (the tail that does not fill a sample is dropped). The packed file `<name>.bin` (uint16, or
 uint32 for a vocabulary past 65,536 ids) sits in the cache folder beside `<name>.json`, the
 fingerprint, which is written last: a packed file counts only when its fingerprint matches the
-source's sha256, the tokenizer and seq_len, so a killed preparation is never mistaken for a cache.
+source files, the tokenizer and seq_len, so a killed preparation is never mistaken for a cache.
+`python -m data.prepare` packs ahead of a run (docs/data.md).
 """
 from __future__ import annotations
 
@@ -25,17 +27,22 @@ import numpy as np
 
 from checkpoint.files import atomic_file, atomic_write, tmp_prefix
 
-from . import tokenizer
+from . import sources, tokenizer
+from .sources import Corpus, DataError, sha256_file, stat_identity
 
 BUILTIN = "stdlib"
 """`data.path` value that selects the built-in corpus: the standard library's docstrings."""
-FORMAT = 1
+BUILTIN_CHAT = "stdlib-chat"
+"""`data.path` value that selects the built-in chat corpus: questions about the standard library
+answered by its docstrings (for data.format=chat)."""
+FORMAT = 2
+"""Of the fingerprint file: 2 records each source file's identity and the token counts beside the cache."""
+RACY_NS = 2_000_000_000
+"""A file modified this close before its identity was recorded may change again within the same
+mtime tick: its stat is not trusted, its bytes are hashed again (as git does for its index)."""
+VERIFY = ("stat", "full")
 log = logging.getLogger("minimind")
 _STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "ensurepip", "turtledemo"}
-
-
-class DataError(ValueError):
-    """Bad corpus input; the message names the file (and line) at fault."""
 
 
 def _alive(pid: int) -> bool:
@@ -60,12 +67,54 @@ def clear_stale_temporaries(path: Path) -> list[Path]:
     return removed
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+_QUESTIONS = ("What does {name} do?", "Explain {name}.", "What is {name} in Python's {module} module?",
+              "Describe {name} briefly.", "{name}: what is it for?")
+
+
+def _stdlib_docstrings():
+    """(module, qualified name, docstring) of the standard library's modules, classes and functions,
+    in a fixed order; sources parsed with `ast`, never imported."""
+    root = sysconfig.get_paths()["stdlib"]
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _STDLIB_SKIP)
+        for n in sorted(names):
+            if not n.endswith(".py"):
+                continue
+            path = os.path.join(d, n)
+            with open(path, "rb") as f:
+                src = f.read()
+            try:
+                tree = ast.parse(src)
+            except (SyntaxError, ValueError):
+                continue
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc:
+                        yield module, module if isinstance(node, ast.Module) else f"{module}.{node.name}", doc
+
+
+def build_stdlib_chat(dest: Path) -> Path:
+    """Write the built-in chat corpus once: for each documented module, class or function of the
+    standard library, a user asks about it (one of a few phrasings, chosen by its position) and the
+    assistant answers with the docstring's first paragraph (24 to 100 characters); every seventh conversation has a system
+    turn. MiniMind's SFT format ({"conversations": [...]})."""
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(dest, "w", encoding="utf-8") as out:
+        k = 0
+        for module, name, doc in _stdlib_docstrings():
+            answer = doc.split("\n\n")[0].strip()
+            if not 24 <= len(answer) <= 100:  # a conversation fits configs/sft_tiny.yaml's 256 byte tokens
+                continue
+            turns = [{"role": "system", "content": "You answer questions about Python's standard library."}] if k % 7 == 0 else []
+            turns += [{"role": "user", "content": _QUESTIONS[k % len(_QUESTIONS)].format(name=name, module=module)},
+                      {"role": "assistant", "content": answer}]
+            out.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
+            k += 1
+    return dest
 
 
 def build_stdlib_corpus(dest: Path) -> Path:
@@ -76,72 +125,35 @@ def build_stdlib_corpus(dest: Path) -> Path:
     """
     if dest.exists():
         return dest
-    root = sysconfig.get_paths()["stdlib"]
-    files: list[str] = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in _STDLIB_SKIP)
-        files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
     dest.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(dest, "w", encoding="utf-8") as out:
-        for path in files:
-            with open(path, "rb") as f:
-                src = f.read()
-            try:
-                tree = ast.parse(src)
-            except (SyntaxError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= 32:
-                        out.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+        for _, _, doc in _stdlib_docstrings():
+            if len(doc) >= 32:
+                out.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     return dest
 
 
-def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Path:
-    """The JSONL file behind `data.path` (or the `key` given, e.g. data.val_path), building the
-    built-in corpus when asked for."""
+def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus:
+    """The corpus behind `data.path` (or the `key` given, e.g. data.val_path): a file, a directory
+    or a glob (data/sources.py), or a built-in corpus, built when asked for."""
     if path == BUILTIN:
-        return build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl")
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{key}: corpus file {p} does not exist (expected a JSONL file of {{\"text\": ...}} lines, or '{BUILTIN}')")
-    return p
+        return Corpus.of_file(build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl"))
+    if path == BUILTIN_CHAT:
+        return Corpus.of_file(build_stdlib_chat(cache_dir / "stdlib_chat.jsonl"))
+    return sources.resolve(path, key)
 
 
-def _iter_lines(path: Path):
-    """(text, bytes of its line) of every document of a JSONL corpus, streamed; bad lines raise
-    DataError naming the file and line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise DataError(f"{path}:{lineno}: line is not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DataError(f'{path}:{lineno}: expected an object with a string "text" field, got {raw[:80]!r}')
-            text = obj["text"]
-            if not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:  # JSON allows "\ud800"; UTF-8 does not
-                    raise DataError(f"{path}:{lineno}: the text holds a lone surrogate {text[e.start]!r} at character "
-                                    f"{e.start}, which is not valid Unicode text") from None
-            yield text, len(raw)
-
-
-def iter_documents(path: Path):
-    """The "text" of every document of a JSONL corpus, streamed (bad lines: DataError naming file:line)."""
-    for text, _ in _iter_lines(path):
+def iter_documents(corpus: Corpus | Path):
+    """The "text" of every document of a corpus, streamed (bad lines: DataError naming file:line)."""
+    corpus = corpus if isinstance(corpus, Corpus) else Corpus.of_file(corpus)
+    for text, _ in sources.Reader(corpus):
         yield text
 
 
-def _batches(path: Path, batch_bytes: int):
-    """Lists of texts of about `batch_bytes` of source each, with the source bytes they came from."""
+def _batches(reader, batch_bytes: int):
+    """Lists of documents of about `batch_bytes` of source each, with the source bytes they came from."""
     texts, size = [], 0
-    for text, n in _iter_lines(path):
+    for text, n in reader:
         texts.append(text)
         size += n
         if size >= batch_bytes:
@@ -183,117 +195,288 @@ def _read_ahead(batches, depth: int = 2):
 
 
 class _Progress:
-    """Packing progress with MB/s: a tqdm bar on a terminal, else a log line every `every_s` seconds."""
+    """Packing progress with MB/s: a tqdm bar on a terminal, else a log line every `every_s` seconds.
+    `watch(done, total)`, when given, sees every update (the trainer's hand-off file, data/handoff.py)."""
 
-    def __init__(self, source: Path, total: int, every_s: float = 5.0) -> None:
-        self.source, self.total, self.every_s = source, total, every_s
+    def __init__(self, label: str, total: int, every_s: float = 5.0, watch=None) -> None:
+        self.label, self.total, self.every_s, self.watch = label, total, every_s, watch
         self.done, self.t0 = 0, time.monotonic()
         self.last = self.t0
         self.bar = None
         if sys.stderr.isatty() and total > 8 << 20:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"packing {source.name}", mininterval=1.0)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"packing {Path(label).name}", mininterval=1.0)
 
     def update(self, n: int) -> None:
         self.done += n
+        if self.watch is not None:
+            self.watch(self.done, self.total)
         if self.bar is not None:
             self.bar.update(n)
             return
         now = time.monotonic()
         if now - self.last >= self.every_s:
             self.last = now
-            log.info("packing %s: %.0f of %.0f MB (%.1f MB/s)", self.source, self.done / 1e6, self.total / 1e6,
+            log.info("packing %s: %.0f of %.0f MB (%.1f MB/s)", self.label, self.done / 1e6, self.total / 1e6,
                      self.done / 1e6 / (now - self.t0))
 
-    def close(self) -> float:
+    def close(self) -> tuple[float, float]:
+        """(MB/s, seconds) since the start."""
         if self.bar is not None:
             self.bar.close()
-        return self.done / 1e6 / max(time.monotonic() - self.t0, 1e-9)
+        seconds = max(time.monotonic() - self.t0, 1e-9)
+        return self.done / 1e6 / seconds, seconds
 
 
-def cache_stem(source: Path, seq_len: int, tok) -> str:
-    """The packed file's name: the source's stem, a key of its path (and tokenizer), the seq_len."""
-    ident = str(source) if tok.name == tokenizer.NAME else f"{source}|{tok.name}"
-    return f"{source.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}-L{seq_len}"
+def cache_stem(corpus: Corpus, seq_len: int, tok, options: dict | None = None) -> str:
+    """The packed file's name: the corpus's name, a key of its path (and tokenizer, and chat
+    options), the seq_len."""
+    ident = corpus.label if tok.name == tokenizer.NAME else f"{corpus.label}|{tok.name}"
+    if options:
+        ident += "|" + json.dumps(options, sort_keys=True)
+    return f"{corpus.stem}{'-chat' if options else ''}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}-L{seq_len}"
 
 
-def pack(source: Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int = 4 << 20) -> tuple[Path, dict]:
-    """Return the packed file for `source` under tokenizer `tok` (default: bytes) and its
-    fingerprint, building it when stale or missing.
+def counts_path(bin_path: Path) -> Path:
+    """The packed file's token counts (a .npy of uint64, one per id), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".counts.npy")
+
+
+def taught_path(bin_path: Path) -> Path:
+    """A packed chat file's taught-token count per row (a .npy of uint32), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".taught.npy")
+
+
+def side_path(bin_path: Path, chat: bool) -> Path:
+    return taught_path(bin_path) if chat else counts_path(bin_path)
+
+
+def _trusted(record: dict, identity: dict) -> bool:
+    return record.get("identity") == identity and identity["mtime_ns"] < record.get("checked_ns", 0) - RACY_NS
+
+
+def _reuse(corpus: Corpus, meta: dict, verify: str) -> dict | None:
+    """`meta` with refreshed identities when every source file is the one packed (by its size, mtime
+    and inode, or its bytes when those are not trusted or `verify` is "full"), else None."""
+    records = meta.get("sources")
+    if not isinstance(records, list) or [r.get("path") for r in records] != [str(p) for p in corpus.files]:
+        return None
+    fresh = []
+    for path, record in zip(corpus.files, records):
+        identity = stat_identity(path)
+        if verify == "full" or not _trusted(record, identity):
+            checked_ns = time.time_ns()
+            if sha256_file(path) != record.get("sha256"):
+                log.info("%s changed since it was packed: packing again", path)
+                return None
+            record = {**record, "identity": identity, "checked_ns": checked_ns}
+        fresh.append(record)
+    return {**meta, "sources": fresh}
+
+
+def _fingerprint(corpus: Corpus, records: list[dict]) -> dict:
+    """The corpus's identity in a run's fingerprint: one file's sha256 (as before directories were
+    read), or a sha256 over the names and hashes of several, and those per file."""
+    named = {"source_sha256_source": corpus.label}  # a refused resume names the corpus beside its hash
+    if len(records) == 1 and corpus.label == records[0]["path"]:
+        return {"source_sha256": records[0]["sha256"], **named}
+    listing = "".join(f"{r['sha256']}  {r['name']}\n" for r in records)
+    return {"source_sha256": hashlib.sha256(listing.encode()).hexdigest(), **named, "files": {r["name"]: r["sha256"] for r in records}}
+
+
+def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int = 4 << 20,
+         verify: str = "stat", watch=None, chat=None) -> tuple[Path, dict]:
+    """Return the packed file for the corpus `source` (a Corpus, or one file) under tokenizer `tok`
+    (default: bytes) and its fingerprint, building it when stale or missing. `chat` (data/chat.py
+    ChatOptions) packs conversations instead of pretraining text.
+
+    A packed file is reused when its fingerprint names the same tokenizer, seq_len and options and
+    the same source files with the same identity (size, mtime, inode) - their bytes are not read
+    again, unless `verify` is "full" or an identity is not trusted (docs/data.md).
 
     The source is streamed in batches of about `batch_bytes`, each tokenized at once (the
     `tokenizers` library's parallel batch encoder for a tokenizer file) and appended to a temporary
-    file: memory does not grow with the corpus. The ids are uint16 when the vocabulary fits, else
-    uint32. The temporary file becomes the packed file (os.replace) and the fingerprint is written
-    last, so a killed preparation leaves nothing that is used."""
+    file, while a reader thread parses the next batch and hashes the bytes: memory does not grow
+    with the corpus, and the corpus is read once. The temporary file becomes the packed file
+    (os.replace), the side files are written, and the fingerprint last, so a killed or failed
+    preparation leaves nothing that is used."""
     tok = tok or tokenizer.ByteTokenizer()
-    source = source.resolve()
+    corpus = source if isinstance(source, Corpus) else Corpus.of_file(source)
+    if verify not in VERIFY:
+        raise DataError(f"data.verify_source: expected one of {', '.join(VERIFY)}, got {verify!r}")
+    options = {}
+    if chat is not None:
+        from . import chat as chats
+
+        template = chats.template_of(tok)  # before anything is written: no template, nothing packed
+        options = {**chat.key(), "template_sha256": hashlib.sha256(template.source.encode()).hexdigest()}
     cache_dir.mkdir(parents=True, exist_ok=True)
-    stem = cache_stem(source, seq_len, tok)
-    bin_path, meta_path = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json"
-    dtype = tokenizer.id_dtype(tok.vocab_size)
-    src_sha = sha256_file(source)
-    if meta_path.exists() and bin_path.exists():
+    stem = cache_stem(corpus, seq_len, tok, options)
+    bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat is not None)
+    dtype = tokenizer.id_dtype(tok.vocab_size + (1 if chat is not None else 0))  # chat targets are stored + 1 (0: none)
+    row = (3 if chat is not None else 1) * seq_len + (0 if chat is not None else 1)
+    here = {"tokenizer_source": tok.source} if hasattr(tok, "source") else {}
+    if meta_path.exists() and bin_path.exists() and side.exists():
         try:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError:
             meta = {}
         if (
             meta.get("format") == FORMAT
-            and meta.get("source_sha256") == src_sha
             and meta.get("tokenizer") == tok.name
-            and meta.get("dtype", "uint16") == dtype.name
+            and meta.get("dtype") == dtype.name
             and meta.get("seq_len") == seq_len
-            and bin_path.stat().st_size == meta.get("num_samples", -1) * dtype.itemsize * (seq_len + 1)
+            and meta.get("options", {}) == options
+            and bin_path.stat().st_size == meta.get("num_samples", -1) * dtype.itemsize * row
+            and (fresh := _reuse(corpus, meta, verify)) is not None
         ):
+            if fresh != meta:  # identities re-established from the bytes: the next launch trusts them
+                try:
+                    atomic_write(meta_path, json.dumps(fresh, indent=1))
+                except OSError as e:  # a read-only cache still serves; the next launch hashes again
+                    log.info("%s: could not record the checked identities (%s)", meta_path, e.strerror)
             # where this run's tokenizer file is (the cache may have been packed from a copy elsewhere)
-            return bin_path, {**meta, "dtype": dtype.name, **({"tokenizer_source": tok.source} if hasattr(tok, "source") else {})}
+            return bin_path, {**fresh, **here}
 
-    for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path):
+    for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path) + clear_stale_temporaries(side):
         log.info("removed %s, left by an interrupted preparation", p)
-    t0 = time.time()
-    n_docs = n_tokens = 0
-    progress = _Progress(source, source.stat().st_size)
+    progress = _Progress(corpus.label, sum(p.stat().st_size for p in corpus.files), watch=watch)
     try:
         with atomic_file(bin_path, "wb") as out:  # an error or a stop leaves no half-written cache
-            for texts, size in _read_ahead(_batches(source, batch_bytes)):
-                ids = tok.pack_batch(texts)
-                ids.astype(dtype, copy=False).tofile(out)
-                n_docs += len(texts)
-                n_tokens += len(ids)
-                progress.update(size)
-            num_samples = n_tokens // (seq_len + 1)
-            out.truncate(num_samples * (seq_len + 1) * dtype.itemsize)
-            if n_docs == 0:
-                raise DataError(f"{source}: the corpus is empty (no {{\"text\": ...}} lines)")
-            if num_samples == 0:
-                raise DataError(f"{source}: {n_tokens} tokens do not fill one sample of seq_len + 1 = {seq_len + 1} tokens")
+            if chat is None:
+                reader = sources.Reader(corpus)
+                stats, side_data = _build_text(reader, tok, seq_len, dtype, out, progress, batch_bytes)
+            else:
+                reader = sources.Reader(corpus, parse=chats.parse_conversation)
+                stats, side_data = chats.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
+                if stats["num_samples"] == 0:
+                    raise DataError(f"{corpus.label}: no conversation teaches anything ({stats['untaught']} without an "
+                                    f"assistant token, {stats['dropped_long']} dropped as longer than seq_len)")
+        checked_ns = time.time_ns()
     finally:
-        mb_per_s = progress.close()
+        mb_per_s, seconds = progress.close()
+    with atomic_file(side, "wb") as f:
+        np.save(f, side_data, allow_pickle=False)
+    records = [{"name": r["name"], "path": r["path"], "sha256": r["sha256"],
+                "identity": {k: r[k] for k in ("size", "mtime_ns", "inode")}, "checked_ns": checked_ns} for r in reader.records]
     meta = {
         "format": FORMAT,
-        "source": str(source),
-        "source_sha256": src_sha,
+        "source": corpus.label,
+        **_fingerprint(corpus, records),
         "tokenizer": tok.name,
-        **({"tokenizer_source": tok.source} if hasattr(tok, "source") else {}),
+        **here,
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
         "seq_len": seq_len,
-        "documents": n_docs,
-        "num_tokens": n_tokens,
-        "num_samples": num_samples,
-        "build_seconds": round(time.time() - t0, 2),
+        **({"options": options} if options else {}),
+        **stats,
+        "build_seconds": round(seconds, 2),
+        "sources": records,
     }
-    log.info("packed %s: %d documents, %d tokens, %d samples, %.1f MB/s", source, n_docs, n_tokens, num_samples, mb_per_s)
+    what = describe(stats)
+    log.info("packed %s: %d file(s), %s, %.1f MB/s, %.1f s", corpus.label, len(records), what, mb_per_s, seconds)
     atomic_write(meta_path, json.dumps(meta, indent=1))
-    return bin_path, meta
+    return bin_path, {**meta, **here}
+
+
+def describe(stats: dict) -> str:
+    """'3000 documents, 733076 tokens, 22214 samples' from a fingerprint's counts."""
+    return ", ".join(f"{v:,} {k.replace('num_', '').replace('_', ' ')}" for k, v in stats.items()
+                     if isinstance(v, int) and k not in ("format", "vocab_size", "seq_len", "build_seconds"))
+
+
+def _build_text(reader, tok, seq_len: int, dtype, out, progress, batch_bytes: int) -> tuple[dict, np.ndarray]:
+    """Pretraining text: BOS + ids + EOS per document, laid end to end, cut into rows of seq_len + 1."""
+    n_docs = n_tokens = 0
+    totals = np.zeros(tok.vocab_size, dtype=np.uint64)
+    for texts, size in _read_ahead(_batches(reader, batch_bytes)):
+        ids = tok.pack_batch(texts).astype(dtype, copy=False)
+        totals += np.bincount(ids, minlength=tok.vocab_size).astype(np.uint64)
+        ids.tofile(out)
+        n_docs += len(texts)
+        n_tokens += len(ids)
+        progress.update(size)
+    if n_docs == 0:
+        raise DataError(f"{reader.corpus.label}: the corpus is empty (no {{\"text\": ...}} lines)")
+    num_samples = n_tokens // (seq_len + 1)
+    if num_samples == 0:
+        raise DataError(f"{reader.corpus.label}: {n_tokens} tokens do not fill one sample of seq_len + 1 = {seq_len + 1} tokens")
+    kept = num_samples * (seq_len + 1)
+    out.flush()
+    dropped = np.fromfile(out.name, dtype=dtype, offset=kept * dtype.itemsize)  # the tail that fills no sample
+    totals -= np.bincount(dropped, minlength=tok.vocab_size).astype(np.uint64)
+    out.truncate(kept * dtype.itemsize)
+    stats = {"documents": n_docs, "num_tokens": n_tokens, "num_samples": num_samples, "unigram_entropy": _entropy(totals)}
+    return stats, totals
+
+
+def _entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 def unigram_entropy(bin_path: Path, num_tokens: int | None = None, dtype: str = "uint16") -> float:
-    """Entropy in nats of the token distribution of the packed file (its first `num_tokens`):
-    the loss of the best model that ignores context."""
-    tokens = np.memmap(bin_path, dtype=np.dtype(dtype), mode="r")[:num_tokens]
-    counts = np.bincount(tokens)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    """Entropy in nats of the token distribution of the packed file (its first `num_tokens`): the
+    loss of the best model that ignores context. With the counts packing wrote beside the file, it
+    reads only what lies past `num_tokens` (a held-out tail), or the first `num_tokens` when that is
+    less: never the whole corpus."""
+    dt = np.dtype(dtype)
+    total = Path(bin_path).stat().st_size // dt.itemsize
+    num_tokens = total if num_tokens is None else num_tokens
+    tokens = np.memmap(bin_path, dtype=dt, mode="r")
+    counts_file = counts_path(Path(bin_path))
+    if counts_file.exists() and total - num_tokens < num_tokens:
+        counts = np.load(counts_file, allow_pickle=False)
+        if num_tokens < total:
+            tail = np.bincount(tokens[num_tokens:], minlength=len(counts)).astype(np.uint64)
+            counts = counts - tail[: len(counts)]
+        return _entropy(counts)
+    return _entropy(np.bincount(tokens[:num_tokens]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m data.prepare CORPUS... --tokenizer PATH --seq-len N --cache-dir DIR`: pack ahead of a run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m data.prepare",
+        description="Pack corpora into the cache a run uses (the same files a launch with data.path=CORPUS, "
+                    "data.tokenizer, model.seq_len and data.cache_dir would build), on a CPU machine before a GPU job.")
+    parser.add_argument("corpora", nargs="+", help=f"each a JSONL file (.gz or not), a directory, a quoted glob, or '{BUILTIN}'")
+    parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
+    parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
+    parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="data.cache_dir of the run (default %(default)s)")
+    parser.add_argument("--verify-source", choices=VERIFY, default="stat",
+                        help="stat (default): trust files whose size, mtime and inode are those packed; full: hash them again")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.seq_len <= 0:
+        print(f"error: --seq-len {args.seq_len}: expected a positive number of tokens", file=sys.stderr)
+        return 2
+    try:
+        tok = tokenizer.load(args.tokenizer)
+        for spec in args.corpora:
+            t0 = time.monotonic()
+            corpus = resolve_source(spec, args.cache_dir)
+            stem = cache_stem(corpus, args.seq_len, tok)
+            before = [p.stat().st_mtime_ns for p in args.cache_dir.glob(f"{stem}.json")]
+            bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source)
+            seconds = time.monotonic() - t0
+            mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
+            done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
+            counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "rows",
+                                                                 "tokens", "taught", "truncated", "dropped_long", "untaught")})
+            print(f"{spec}: {len(meta['sources'])} file(s), {counts} (samples of {args.seq_len + 1} tokens) -> {bin_path}; "
+                  f"{mb:.1f} MB in {seconds:.1f} s ({done})")
+    except (DataError, tokenizer.TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or args.cache_dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,13 +55,13 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
         if cache is not None:  # generation: keys and values of the earlier positions come from the cache
             start = cache.length
             k, v = cache.append(k, v)
@@ -99,8 +99,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -165,23 +166,35 @@ class MiniMindLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+        positions: torch.Tensor | None = None, reduction: str = "mean",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (and the mean loss when `targets` are given). With a `cache` (generation), `tokens`
-        continue the positions already in it, and their keys and values are appended to it."""
+        """Logits (and the loss when `targets` are given: the mean over the targets that are not
+        -100, or their sum with reduction="sum"). With a `cache` (generation), `tokens` continue the
+        positions already in it, and their keys and values are appended to it. With `positions`
+        (B, T) - packed conversations, each restarting at 0 - the rotary phases follow them and a
+        position attends only to earlier positions of its own conversation (a block-diagonal causal
+        mask: docs/sft.md)."""
         t = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if start + t > self.cfg.seq_len:
             raise ValueError(f"positions {start}..{start + t - 1} are past the {self.cfg.seq_len} positions the rotary "
                              f"tables cover (model.seq_len={self.cfg.seq_len})")
-        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
+        mask = None
+        if positions is not None:
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # (B, 1, T, D)
+            seg = (positions == 0).cumsum(-1)
+            causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+            mask = ((seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal).unsqueeze(1)  # (B, 1, T, T)
+        else:
+            cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
         h = self.dropout(self.tok_embeddings(tokens))
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.layers[i] if cache is not None else None)
+            h = layer(h, cos, sin, cache.layers[i] if cache is not None else None, mask)
         logits = self.output(self.norm(h))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+                logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction
             )
         return logits, loss

@@ -52,6 +52,10 @@ AIMS = {
     "bytes read at a 2-process resume / resume file size": ("<=", 1.1),
     "our loop / minimal loop (speed)": (">=", 0.95),
     "canonical / ddp step time, 2 processes": ("<=", 1.3),
+    "launch on a packed 2 GB corpus / on a tiny one": ("<=", 1.5),
+    "bytes read at launch / corpus size": ("<=", 0.01),
+    "bijective order memory, MiB": ("<=", 1.0),
+    "bijective first batch at 90%, ms": ("<=", 10.0),
 }
 
 
@@ -375,7 +379,7 @@ def mixed_corpus(path: Path, megabytes: int, tok_path: Path, seed: int = 0) -> N
 
     tok = Tokenizer.from_file(str(tok_path))
     cjk = [w for w in (tok.decode([i]) for i in range(tok.get_vocab_size())) if re.fullmatch(r"[\u4e00-\u9fff]+", w)]
-    english = [json.loads(line)["text"] for line in open(resolve_source("stdlib", ROOT / "data" / "cache"), encoding="utf-8")]
+    english = [json.loads(line)["text"] for line in open(resolve_source("stdlib", ROOT / "data" / "cache").files[0], encoding="utf-8")]
     rng = random.Random(seed)
     chinese = ["".join(rng.choice(cjk) + (rng.choice("，。、；：！？") if rng.random() < 0.12 else "")
                        for _ in range(rng.randint(20, 400))) for _ in range(20_000)]
@@ -394,25 +398,37 @@ _PACK_CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from data import pack, prepare
+from data import pack, prepare, sources
 from data import tokenizer as tokenizers
 mode, source, cache = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 tok = tokenizers.load(sys.argv[5])
 t0 = time.perf_counter()
 if mode == "pack":
-    _, meta = pack(source, 512, cache, tok)
+    _, meta = pack(prepare.resolve_source(str(source), cache), 512, cache, tok)
     n = meta["num_tokens"]
 elif mode == "encoder":  # the ceiling: the batch encoder alone, on the same batches held in memory
-    batches = [texts for texts, _ in prepare._batches(source, 4 << 20)]
+    batches = [texts for texts, _ in prepare._batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20)]
     t0 = time.perf_counter()
     n = sum(len(e) for texts in batches for e in tok.tok.encode_batch_fast(texts, add_special_tokens=False))
 else:  # json: parsing every line, the floor of any packer
-    n = sum(len(texts) for texts, _ in prepare._batches(source, 4 << 20))
+    n = sum(len(texts) for texts, _ in prepare._batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20))
 seconds = time.perf_counter() - t0
 # VmHWM: this process image's peak RSS (ru_maxrss would carry the forking parent's peak over)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "n": n, "rss": hwm * 1024}))
 """
+
+
+def split_corpus(source: Path, folder: Path, parts: int, megabytes: int | None = None) -> Path:
+    """The first `megabytes` (all, for None) of `source` in `parts` files of whole lines, in a folder."""
+    folder.mkdir(parents=True)
+    limit = (megabytes * 1_000_000 if megabytes else source.stat().st_size) // parts
+    with open(source, "rb") as src:
+        for i in range(parts):
+            with open(folder / f"part-{i:03d}.jsonl", "wb") as dst:
+                dst.write(src.read(limit))
+                dst.write(src.readline())
+    return folder
 
 
 def _pack_child(mode: str, source: Path, cache: Path, tok: str) -> dict:
@@ -429,12 +445,11 @@ def packing_rows(work: Path, megabytes: int) -> list[dict]:
     tokenizer against its batch encoder alone on the same text in memory; peak RSS of packing a
     corpus and one twice its size; the byte tokenizer's packing against parsing the JSON alone."""
     tok = vocab_6400(work)
-    small, big = work / f"mixed-{megabytes}.jsonl", work / f"mixed-{2 * megabytes}.jsonl"
-    mixed_corpus(big, 2 * megabytes, tok)
-    with open(big, "rb") as src, open(small, "wb") as dst:  # the first half (whole lines)
-        dst.write(src.read(megabytes * 1_000_000))
-        dst.write(src.readline())
-    mb = small.stat().st_size / 1e6
+    whole = work / f"mixed-{2 * megabytes}.jsonl"
+    mixed_corpus(whole, 2 * megabytes, tok)
+    small, big = split_corpus(whole, work / f"mixed-{megabytes}", 4, megabytes), split_corpus(whole, work / f"mixed-{2 * megabytes}", 8)
+    whole.unlink()
+    mb = sum(p.stat().st_size for p in small.iterdir()) / 1e6
     ours = _pack_child("pack", small, work / "pc", str(tok))
     ceiling = _pack_child("encoder", small, work / "pc", str(tok))
     twice = _pack_child("pack", big, work / "pc", str(tok))
@@ -443,7 +458,7 @@ def packing_rows(work: Path, megabytes: int) -> list[dict]:
     shutil.rmtree(work / "pc", ignore_errors=True)
     name = "MiniMind's tokenizer" if tok == MINIMIND_TOKENIZER else "a 6,400-id tokenizer trained here"
     return [
-        {"row": f"packing {mb:.0f} MB of mixed Chinese/English JSONL, {name}", "what": "packing / batch encoder alone",
+        {"row": f"packing {mb:.0f} MB of mixed Chinese/English JSONL in 4 files, {name}", "what": "packing / batch encoder alone",
          "value": ceiling["seconds"] / ours["seconds"],
          "detail": f"{mb / ours['seconds']:.1f} MB/s packed (parse, encode, write, fsync) / {mb / ceiling['seconds']:.1f} MB/s "
                    f"encoder alone on the text in memory; {ours['n'] / 1e6:.0f}M tokens",
@@ -649,11 +664,114 @@ def loop_rows(steps: int, work: Path) -> list[dict]:
              "detail": f"{ours_step * 1e3:.0f} ms ours, {minimal * 1e3:.0f} ms minimal", "aim": "our loop / minimal loop (speed)"}]
 
 
+def _launch(args: list[str], log: Path) -> tuple[float, int]:
+    """A one-step `python train.py` (1 process) in a child: (seconds from start to exit, bytes it read
+    from storage: ru_inblock, which counts read() calls and memmap page faults that miss the page cache)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        code = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", "log.progress=false", "train.steps=1",
+                               "checkpoint.interval=0", *args], cwd=ROOT, stdout=f, stderr=f).returncode
+    seconds = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"bench: a launch failed, see {log}")
+    return seconds, (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - before) * 512
+
+
+def launch_rows(work: Path, gigabytes: float, rounds: int) -> list[dict]:
+    """A launch on an already packed corpus of `gigabytes` GB (the packed file; the byte tokenizer
+    doubles the JSONL's size) against one on a tiny corpus: seconds from start to exit of a
+    one-step run, and the bytes the launch read from storage with the corpus evicted from the page
+    cache first (posix_fadvise; torch's own files stay cached, as on any second launch)."""
+    big, tiny = work / "launch-big.jsonl", work / "launch-tiny.jsonl"
+    pool = list(open(resolve_source("stdlib", ROOT / "data" / "cache").files[0], "rb"))
+    chunk = b"".join(pool)
+    with open(big, "wb") as f:
+        while f.tell() < gigabytes * 1e9 / 2:
+            f.write(chunk)
+    tiny.write_bytes(b"".join(pool[:4000]))
+    cache, log = work / "launch-cache", work / "launch.log"
+    for src in (big, tiny):  # packed once, ahead (python -m data.prepare)
+        subprocess.run([sys.executable, "-m", "data.prepare", str(src), "--seq-len", "128", "--cache-dir", str(cache)],
+                       cwd=ROOT, check=True, capture_output=True)
+    packed = next(cache.glob("launch-big-*.bin"))
+    packed_bytes = packed.stat().st_size
+    corpus_bytes = packed_bytes + big.stat().st_size
+    times: dict[str, list[float]] = {"big": [], "tiny": []}
+    reads: dict[str, list[int]] = {"big": [], "tiny": []}
+    for r in range(rounds):
+        for name, src in (("tiny", tiny), ("big", big)):
+            drop_files = [p for p in cache.glob(f"launch-{name}-*")] + [src]
+            for path in drop_files:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            seconds, nbytes = _launch([f"data.path={src}", f"data.cache_dir={cache}", f"out_dir={work / ('launch-' + name)}",
+                                       "checkpoint.resume=never"], log)
+            shutil.rmtree(work / f"launch-{name}", ignore_errors=True)
+            times[name].append(seconds)
+            reads[name].append(nbytes)
+    tb, tt = statistics.median(times["big"]), statistics.median(times["tiny"])
+    rb = statistics.median(reads["big"])
+    for path in (big, tiny):
+        path.unlink()
+    shutil.rmtree(cache, ignore_errors=True)
+    return [
+        {"row": f"launch on an already packed {packed_bytes / 1e9:.1f} GB corpus, 1 process, one step",
+         "what": "seconds to exit, big / tiny corpus", "value": tb / tt, "aim": "launch on a packed 2 GB corpus / on a tiny one",
+         "detail": f"{tb:.2f} s / {tt:.2f} s (median of {rounds}; start to exit: imports, stat of the source, model, one step, a save)"},
+        {"row": f"launch on an already packed {packed_bytes / 1e9:.1f} GB corpus, 1 process, one step",
+         "what": "bytes read at launch / corpus size", "value": rb / corpus_bytes, "aim": "bytes read at launch / corpus size",
+         "detail": f"{rb / 1e6:.1f} MB read from storage (tiny corpus: {statistics.median(reads['tiny']) / 1e6:.1f} MB) / "
+                   f"{corpus_bytes / 1e9:.2f} GB (the JSONL and its packed file), both evicted from the page cache before each launch"},
+    ]
+
+
+def order_rows() -> list[dict]:
+    """The epoch order's memory and the time to the first batch at 90% of an epoch (sampler built,
+    order made, first micro-batch's indices out): bijective at 10M and 1B samples, randperm at 10M."""
+    import tracemalloc
+
+    plan = BatchPlan(1024, 64, 2)
+
+    def first_batch(kind: str, n: int) -> tuple[float, int]:
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        sampler = BlockDistributedSampler(n, plan, rank=1, seed=1337, order=kind)
+        sampler.set_epoch(3)
+        skip = int(plan.steps_per_epoch(n) * 0.9) * plan.accum
+        next(iter(SkipBatchSampler(sampler, skip)))
+        seconds = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        held = sampler.order().perm.nbytes if kind == "randperm" else peak  # torch's tensor memory is not traced
+        return seconds, max(held, peak)
+
+    got = {}
+    for kind, n in (("randperm", 10_000_000), ("bijective", 10_000_000), ("bijective", 1_000_000_000)):
+        runs = [first_batch(kind, n) for _ in range(5)]
+        got[(kind, n)] = (statistics.median(r[0] for r in runs), max(r[1] for r in runs))
+    rp_t, rp_m = got[("randperm", 10_000_000)]
+    rows = []
+    for n in (10_000_000, 1_000_000_000):
+        t, m = got[("bijective", n)]
+        rows += [
+            {"row": f"epoch order, bijective, {n / 1e6:.0f}M samples", "what": "bijective order memory, MiB", "value": m / 2**20,
+             "aim": "bijective order memory, MiB",
+             "detail": f"{m / 1024:.1f} KiB at most while making the order and the first batch (tracemalloc) / randperm at 10M: "
+                       f"{rp_m / 2**20:.0f} MiB (ratio {m / rp_m:.1e})"},
+            {"row": f"epoch order, bijective, {n / 1e6:.0f}M samples", "what": "bijective first batch at 90%, ms", "value": t * 1e3,
+             "aim": "bijective first batch at 90%, ms",
+             "detail": f"{t * 1e3:.2f} ms / randperm at 10M: {rp_t * 1e3:.0f} ms (ratio {t / rp_t:.1e}); median of 5"},
+        ]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here (docs/bench.json is a full run's, whole)")
-    parser.add_argument("--only", choices=("packing", "generation", "throughput"), help="run only these rows")
+    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora"), help="run only these rows")
     parser.add_argument("--corpus-mb", type=int, default=200, help="size of the packing rows' generated corpus (and twice it)")
     a = parser.parse_args(argv)
     t0 = time.time()
@@ -666,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.only:
             rows += {"packing": lambda: packing_rows(work, a.corpus_mb), "generation": generation_rows,
-                     "throughput": lambda: throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work)}[a.only]()
+                     "throughput": lambda: throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work),
+                     "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if a.quick else 2.0, 3)]}[a.only]()
             return report(rows, a, t0)
         rows += resume_rows(10_000_000)  # first: its peak-RSS figure needs a process that has not peaked yet
         repeat = 3 if a.quick else 5
@@ -684,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         rows += reduce_rows(15 if a.quick else 30, work)
         rows += packing_rows(work, 50 if a.quick else a.corpus_mb)
+        rows += order_rows()
+        rows += launch_rows(work, 0.2 if a.quick else 2.0, 3)
         rows += generation_rows(64 if a.quick else 256)
     finally:
         if dist.is_initialized():

@@ -128,7 +128,7 @@ def test_the_tokenizer_trainer_says_the_size_a_small_corpus_reached_and_keeps_an
 
 def test_a_missing_validation_file_names_data_val_path(tmp_path, tiny):
     code, err = launch.in_process(*tiny, f"data.val_path={tmp_path / 'nope.jsonl'}", f"out_dir={tmp_path / 'run'}")
-    assert code == 2 and f"data.val_path: corpus file {tmp_path / 'nope.jsonl'} does not exist" in err
+    assert code == 2 and f"data.val_path: corpus {tmp_path / 'nope.jsonl'} does not exist" in err
 
 
 def test_a_resume_that_changes_the_reduction_or_deterministic_kernels_warns(tmp_path, tiny):

@@ -95,7 +95,7 @@ def test_a_global_batch_that_does_not_divide_is_an_error_suggesting_micro_batche
 
 def test_the_order_is_one_tensor_and_skipping_far_computes_no_skipped_batch(monkeypatch):
     sampler = BlockDistributedSampler(10_000_000, BatchPlan(1024, 64, 2), 1, SEED)
-    assert sampler.order().dtype == torch.int64 and sampler.order().numel() == 10_000_000
+    assert sampler.order().perm.dtype == torch.int64 and sampler.order().perm.numel() == 10_000_000
     positions = []
     real = sampler.global_position
     monkeypatch.setattr(sampler, "global_position", lambda k: positions.append(k) or real(k))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +50,36 @@ def frame(flat: np.ndarray, lengths: list[int], bos: int, eos: int, dtype) -> np
     return out
 
 
+_SPECIAL_TEXT = re.compile("(" + "|".join(re.escape(t) for t in SPECIALS) + ")")
+
+
 class ByteTokenizer:
     """The built-in tokenizer: nothing to download, 259 ids."""
 
     name, vocab_size, bos, eos, pad = NAME, VOCAB_SIZE, BOS, EOS, PAD
     files: dict[str, bytes] = {}
     """What a checkpoint carries to rebuild this tokenizer: nothing."""
+    special_texts = {"bos_token": SPECIALS[1], "eos_token": SPECIALS[2], "pad_token": SPECIALS[0]}
+    """The texts of BOS, EOS and PAD in a rendered conversation (ChatML's, as MiniMind's)."""
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered conversation: the special tokens' texts become BOS/EOS/PAD, the rest UTF-8 bytes."""
+        ids, ids_of = [], {v: getattr(self, k.split("_")[0]) for k, v in self.special_texts.items()}
+        for part in _SPECIAL_TEXT.split(text):
+            ids.extend([ids_of[part]] if part in ids_of else part.encode("utf-8"))
+        return ids
+
+    def decode_rendered(self, ids: list[int]) -> str:
+        """The inverse of encode_rendered: special tokens as their texts."""
+        texts = {self.bos: self.special_texts["bos_token"], self.eos: self.special_texts["eos_token"], self.pad: self.special_texts["pad_token"]}
+        out, run = [], bytearray()
+        for i in ids:
+            if i in texts:
+                out.append(run.decode("utf-8", errors="replace") + texts[i])
+                run = bytearray()
+            elif 0 <= i < 256:
+                run.append(i)
+        return "".join(out) + run.decode("utf-8", errors="replace")
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """The UTF-8 bytes of `text`, optionally framed by BOS/EOS."""
@@ -89,7 +114,8 @@ class FileTokenizer:
             config = json.loads(config_json)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TokenizerError(f"{config_name}: does not parse ({e})") from None
-        ids = {}
+        ids, self.special_texts = {}, {}
+        self.config = config if isinstance(config, dict) else {}
         for role in ("bos", "eos", "pad"):
             token = config.get(f"{role}_token") if isinstance(config, dict) else None
             if isinstance(token, dict):  # the older AddedToken form {"content": ...}
@@ -97,10 +123,14 @@ class FileTokenizer:
             if not isinstance(token, str):
                 example = dict(zip(("pad", "bos", "eos"), SPECIALS))[role]
                 raise TokenizerError(f"{config_name}: no {role}_token (expected the token's text, e.g. \"{example}\")")
+            self.special_texts[f"{role}_token"] = token
             ids[role] = self.tok.token_to_id(token)
             if ids[role] is None:
                 raise TokenizerError(f"{config_name}: {role}_token {token!r} is not a token of {source}")
         self.bos, self.eos, self.pad = ids["bos"], ids["eos"], ids["pad"]
+        unk = self.config.get("unk_token")
+        if isinstance(unk, (str, dict)):
+            self.special_texts["unk_token"] = unk.get("content") if isinstance(unk, dict) else unk
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.sha256 = hashlib.sha256(tokenizer_json).hexdigest()
         self.name = f"sha256:{self.sha256} bos={self.bos} eos={self.eos} pad={self.pad}"
@@ -112,6 +142,13 @@ class FileTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered conversation, its special tokens' texts recognized (as transformers tokenizes it)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode_rendered(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def pack_batch(self, texts: list[str]) -> np.ndarray:
         """BOS + ids + EOS of every text, concatenated, encoded by the library's parallel batch encoder."""
@@ -177,11 +214,13 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
             f"or a lower --min-frequency (nothing was written)")
     from checkpoint.files import atomic_write
 
+    from ..chat import CHATML  # a template for data.format=chat: ChatML, with this tokenizer's BOS/EOS texts
+
     out_dir.mkdir(parents=True, exist_ok=True)
     path = atomic_write(out_dir / TOKENIZER_FILE, tok.to_str(pretty=True) + "\n")
     pad, bos, eos = SPECIALS
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
               "unk_token": pad, "add_bos_token": False, "add_eos_token": False, "model_max_length": 32768,
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False, "chat_template": CHATML}
     atomic_write(out_dir / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
     return path
