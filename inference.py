@@ -132,3 +132,16 @@ def generate(model: MiniMindLM, prompt: str, max_new_tokens: int | None = None, 
     ids = generate_ids(model, tok.encode(prompt, bos=True), max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                        tok.eos, use_cache, seed)
     return tok.decode(ids[1:])
+
+
+def chat_reply(model: MiniMindLM, tok, messages: list[dict], max_new_tokens: int | None = None, temperature: float = 0.8,
+               seed: int = 0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0) -> tuple[str, list[int]]:
+    """The assistant's next turn after `messages`: the conversation rendered with the tokenizer's chat
+    template and its generation prompt (data/chat.py), then ids generated with the KV cache until the
+    tokenizer's EOS (`<|im_end|>`). Returns the reply's text (special tokens dropped) and its ids."""
+    from data.chat import template_of
+
+    prompt = tok.encode_rendered(template_of(tok).render(messages, add_generation_prompt=True))
+    ids = generate_ids(model, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, tok.eos, True, seed)
+    reply = ids[len(prompt):]
+    return tok.decode(reply), reply

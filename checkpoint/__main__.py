@@ -196,6 +196,40 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+def chat(args) -> int:
+    """`python -m checkpoint chat RUN [--prompt TEXT]`: one turn, or a conversation on the terminal."""
+    from data.sources import DataError
+    from inference import chat_reply, load_model, load_tokenizer
+
+    model, tok = load_model(args.path), load_tokenizer(args.path)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(text: str) -> str:
+        messages.append({"role": "user", "content": text})
+        try:
+            answer, _ = chat_reply(model, tok, messages, args.tokens, args.temperature, args.seed, args.top_k, args.top_p,
+                                   args.repetition_penalty)
+        except DataError as err:  # no chat template, or one that raises
+            raise storage.CheckpointError(f"chat: {err}") from None
+        except ValueError as err:  # the conversation no longer fits the model's positions
+            raise storage.CheckpointError(f"chat: {err} (start a new conversation)") from None
+        messages.append({"role": "assistant", "content": answer})
+        return answer
+
+    if args.prompt is not None:
+        print(reply(args.prompt))
+        return 0
+    print("(an empty line or end of input ends the conversation)", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ")
+        except EOFError:
+            return 0
+        if not text.strip():
+            return 0
+        print(f"model> {reply(text)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,6 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages ids already in the text")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow; for checks)")
     g.add_argument("--seed", type=int, default=0)
+    ch = sub.add_parser("chat", help="talk to a fine-tuned run: the tokenizer's chat template, generation until <|im_end|>")
+    ch.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    ch.add_argument("--prompt", help="one user turn: print the reply and exit (default: interactive, the history kept)")
+    ch.add_argument("--system", help="a system turn in front of the conversation")
+    ch.add_argument("--tokens", type=int, default=None, help="new tokens per reply at most (default: up to model.seq_len positions)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    ch.add_argument("--top-k", type=int, default=0)
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--repetition-penalty", type=float, default=1.0)
+    ch.add_argument("--seed", type=int, default=0)
     e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf)")
     e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
     e.add_argument("--format", required=True, choices=("minimind", "hf"))
@@ -254,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:  # a request the model cannot serve (past its positions)
                 raise storage.CheckpointError(f"generate: {err}") from None
             return 0
+        if args.verb == "chat":
+            return chat(args)
         if args.verb == "export":
             from model.formats import WeightsError
             from weights import export

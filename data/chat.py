@@ -240,8 +240,10 @@ class Encoder:
 
     def encode(self, messages: list[dict], tools=None) -> tuple[list[int], list[bool]]:
         ids = self.tok.encode_rendered(self.render(messages, tools))
-        taught = [True] * len(ids) if self.opts.loss_on == "all" else assistant_mask(ids, self.opener, self.closer)
-        return ids, taught
+        return ids, self.taught(ids)
+
+    def taught(self, ids: list[int]) -> list[bool]:
+        return [True] * len(ids) if self.opts.loss_on == "all" else assistant_mask(ids, self.opener, self.closer)
 
 
 def labels_of(ids: list[int], taught: list[bool]) -> list[int]:
@@ -361,8 +363,7 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
             texts.append(enc.render(with_system_prompt(messages, index, opts), tools))
             index += 1
         for ids in encode_batch(tok, texts):
-            taught = [True] * len(ids) if opts.loss_on == "all" else assistant_mask(ids, enc.opener, enc.closer)
-            write(packer.add(ids, taught))
+            write(packer.add(ids, enc.taught(ids)))
         progress.update(size)
     write(packer.finish())
     st = packer.stats
@@ -377,3 +378,53 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
              "taught": st["taught"], "truncated": st["truncated"], "dropped_long": st["dropped_long"], "untaught": st["untaught"],
              "padding": len(taught_per_row) * seq_len - st["tokens"]}
     return stats, np.asarray(taught_per_row, dtype=np.uint32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m data.chat inspect --tokenizer PATH FILE.jsonl [--n N] [--text]`."""
+    import argparse
+    import sys
+
+    from . import tokenizer as tokenizers
+    from .sources import Corpus, Reader
+
+    parser = argparse.ArgumentParser(prog="python -m data.chat", description="Check what a chat corpus teaches, before packing.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    ins = sub.add_parser("inspect", help="print each conversation's input_ids and labels (-100: does not teach) as JSON lines")
+    ins.add_argument("file", type=Path, help="a JSONL file of {\"conversations\": [...]} lines (.gz or not)")
+    ins.add_argument("--tokenizer", default=tokenizers.BYTES, help="bytes (default) or a tokenizer.json with a chat_template beside it")
+    ins.add_argument("--n", type=int, default=0, help="the first N conversations only (default: all)")
+    ins.add_argument("--text", action="store_true", help="print the rendered text with the taught spans in [[ ]] instead")
+    ins.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="as data.loss_on (default %(default)s)")
+    ins.add_argument("--system-prompt-ratio", type=float, default=0.0, help="as data.system_prompt_ratio (with --seed)")
+    ins.add_argument("--seed", type=int, default=1337, help="the run's seed, for --system-prompt-ratio (default %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        tok = tokenizers.load(args.tokenizer)
+        opts = ChatOptions(loss_on=args.loss_on, system_prompt_ratio=args.system_prompt_ratio, seed=args.seed)
+        enc = Encoder(tok, template_of(tok), opts)
+        if not args.file.is_file():
+            raise DataError(f"{args.file}: no such file (expected a JSONL file of {{\"conversations\": [...]}} lines)")
+        for index, ((messages, tools), _) in enumerate(Reader(Corpus.of_file(args.file), parse=parse_conversation)):
+            if args.n and index >= args.n:
+                break
+            ids, taught = enc.encode(with_system_prompt(messages, index, opts), tools)
+            if args.text:
+                print(marked_text(tok, ids, taught))
+            else:
+                print(json.dumps({"input_ids": ids, "labels": labels_of(ids, taught)}))
+    except (DataError, tokenizers.TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or args.file}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `| head`
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

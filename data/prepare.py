@@ -285,6 +285,17 @@ def _fingerprint(corpus: Corpus, records: list[dict]) -> dict:
     return {"source_sha256": hashlib.sha256(listing.encode()).hexdigest(), **named, "files": {r["name"]: r["sha256"] for r in records}}
 
 
+def chat_options(tok, chat) -> tuple[dict, object]:
+    """What identifies a chat corpus's packing besides the tokenizer and seq_len (the options and the
+    template's sha256), and the template; ({}, None) for text."""
+    if chat is None:
+        return {}, None
+    from . import chat as chats
+
+    template = chats.template_of(tok)
+    return {**chat.key(), "template_sha256": hashlib.sha256(template.source.encode()).hexdigest()}, template
+
+
 def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int = 4 << 20,
          verify: str = "stat", watch=None, chat=None) -> tuple[Path, dict]:
     """Return the packed file for the corpus `source` (a Corpus, or one file) under tokenizer `tok`
@@ -305,12 +316,7 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
     corpus = source if isinstance(source, Corpus) else Corpus.of_file(source)
     if verify not in VERIFY:
         raise DataError(f"data.verify_source: expected one of {', '.join(VERIFY)}, got {verify!r}")
-    options = {}
-    if chat is not None:
-        from . import chat as chats
-
-        template = chats.template_of(tok)  # before anything is written: no template, nothing packed
-        options = {**chat.key(), "template_sha256": hashlib.sha256(template.source.encode()).hexdigest()}
+    options, template = chat_options(tok, chat)  # before anything is written: no template, nothing packed
     cache_dir.mkdir(parents=True, exist_ok=True)
     stem = cache_stem(corpus, seq_len, tok, options)
     bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat is not None)
@@ -348,6 +354,8 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
                 reader = sources.Reader(corpus)
                 stats, side_data = _build_text(reader, tok, seq_len, dtype, out, progress, batch_bytes)
             else:
+                from . import chat as chats
+
                 reader = sources.Reader(corpus, parse=chats.parse_conversation)
                 stats, side_data = chats.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
                 if stats["num_samples"] == 0:
@@ -447,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
     parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
     parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="data.cache_dir of the run (default %(default)s)")
+    parser.add_argument("--format", choices=("text", "chat"), default="text", help="as data.format (default %(default)s)")
+    parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="chat: as data.loss_on")
+    parser.add_argument("--no-pack", action="store_true", help="chat: one padded conversation per row (data.pack=false)")
+    parser.add_argument("--drop-long", action="store_true", help="chat: as data.drop_long")
+    parser.add_argument("--system-prompt-ratio", type=float, default=0.0, help="chat: as data.system_prompt_ratio")
+    parser.add_argument("--seed", type=int, default=1337, help="chat: the run's seed, used with --system-prompt-ratio")
     parser.add_argument("--verify-source", choices=VERIFY, default="stat",
                         help="stat (default): trust files whose size, mtime and inode are those packed; full: hash them again")
     args = parser.parse_args(argv)
@@ -456,18 +470,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         tok = tokenizer.load(args.tokenizer)
+        chat = None
+        if args.format == "chat":
+            from .chat import ChatOptions
+
+            chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed)
         for spec in args.corpora:
             t0 = time.monotonic()
             corpus = resolve_source(spec, args.cache_dir)
-            stem = cache_stem(corpus, args.seq_len, tok)
+            stem = cache_stem(corpus, args.seq_len, tok, chat_options(tok, chat)[0])
             before = [p.stat().st_mtime_ns for p in args.cache_dir.glob(f"{stem}.json")]
-            bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source)
+            bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source, chat=chat)
             seconds = time.monotonic() - t0
             mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
             done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
             counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "rows",
                                                                  "tokens", "taught", "truncated", "dropped_long", "untaught")})
-            print(f"{spec}: {len(meta['sources'])} file(s), {counts} (samples of {args.seq_len + 1} tokens) -> {bin_path}; "
+            rows = f"rows of {args.seq_len} positions" if chat else f"samples of {args.seq_len + 1} tokens"
+            print(f"{spec}: {len(meta['sources'])} file(s), {counts} ({rows}) -> {bin_path}; "
                   f"{mb:.1f} MB in {seconds:.1f} s ({done})")
     except (DataError, tokenizer.TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -56,6 +56,8 @@ AIMS = {
     "bytes read at launch / corpus size": ("<=", 0.01),
     "bijective order memory, MiB": ("<=", 1.0),
     "bijective first batch at 90%, ms": ("<=", 10.0),
+    "packed: real tokens / tokens computed": (">=", 0.9),
+    "taught tokens per token computed, packed / padded": (">=", 1.5),
 }
 
 
@@ -664,6 +666,72 @@ def loop_rows(steps: int, work: Path) -> list[dict]:
              "detail": f"{ours_step * 1e3:.0f} ms ours, {minimal * 1e3:.0f} ms minimal", "aim": "our loop / minimal loop (speed)"}]
 
 
+def chat_corpus(path: Path, n: int, tok_path: Path, seed: int = 0) -> None:
+    """`n` MiniMind-like conversations: a user turn and an assistant turn (a third of them with a
+    system turn, a fifth with a second exchange), each turn Chinese (runs of the tokenizer's CJK
+    vocabulary) or English (standard-library docstrings), answers longer than questions."""
+    import random
+    import re
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+    cjk = [w for w in (tok.decode([i]) for i in range(tok.get_vocab_size())) if re.fullmatch(r"[\u4e00-\u9fff]+", w)]
+    english = [json.loads(line)["text"] for line in open(resolve_source("stdlib", ROOT / "data" / "cache").files[0], encoding="utf-8")]
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        if rng.random() < 0.5:
+            return "".join(rng.choice(cjk) + ("，。"[rng.random() < 0.5] if rng.random() < 0.1 else "") for _ in range(rng.randint(lo, hi)))
+        return rng.choice(english)[: rng.randint(lo, hi) * 3]
+
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            turns = [{"role": "system", "content": text(5, 30)}] if rng.random() < 0.33 else []
+            for _ in range(2 if rng.random() < 0.2 else 1):
+                turns += [{"role": "user", "content": text(5, 60)}, {"role": "assistant", "content": text(20, 300)}]
+            f.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
+
+
+def sft_rows(work: Path, conversations: int, steps: int) -> list[dict]:
+    """Packed against padded chat rows (data.pack) at seq_len 512 with MiniMind's tokenizer: the
+    share of computed positions that are real tokens and that teach, and the step time per taught
+    token training the tiny model's shape on each (1 process)."""
+    from data.chat import ChatOptions
+    from data.dataset import ChatDataset
+
+    tok_path = vocab_6400(work)
+    source = work / "sft.jsonl"
+    chat_corpus(source, conversations, tok_path)
+    from data import tokenizer as tokenizers
+
+    tok = tokenizers.load(str(tok_path))
+    got = {}
+    for packed in (True, False):
+        bin_path, meta = pack(source, 512, work / "sft-cache", tok, chat=ChatOptions(pack=packed))
+        computed = meta["num_samples"] * 512
+        rows = run_train([f"data.path={source}", "data.format=chat", f"data.pack={str(packed).lower()}", f"data.tokenizer={tok_path}",
+                          f"data.cache_dir={work / 'sft-cache'}", "model.seq_len=512", "train.global_batch=16", "train.micro_batch=4",
+                          f"train.steps={steps}", "checkpoint.interval=0", "log.sample_ids=true", f"out_dir={work / 'sft-run'}"],
+                         work / "train.log")
+        ds = ChatDataset(bin_path, 512, dtype=meta["dtype"])  # the rows the run trained on: the same cache
+        per_taught = statistics.median(r["step_s"] / ds.taught(r["sample_ids"]) for r in rows[2:])
+        got[packed] = {"real": meta["tokens"] / computed, "taught": meta["taught"] / computed, "rows": meta["num_samples"],
+                       "per_taught": per_taught}
+    p, q = got[True], got[False]
+    return [
+        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "packed: real tokens / tokens computed",
+         "value": p["real"], "aim": "packed: real tokens / tokens computed",
+         "detail": f"packed {p['real']:.3f} in {p['rows']} rows; padded {q['real']:.3f} in {q['rows']} rows"},
+        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "taught tokens per token computed, packed / padded",
+         "value": p["taught"] / q["taught"], "aim": "taught tokens per token computed, packed / padded",
+         "detail": f"packed {p['taught']:.3f}, padded {q['taught']:.3f} taught tokens per position computed"},
+        {"row": "chat step time per taught token, tiny shape at seq_len 512, 1 process", "what": "packed / padded",
+         "value": p["per_taught"] / q["per_taught"],
+         "detail": f"{p['per_taught'] * 1e6:.1f} us / {q['per_taught'] * 1e6:.1f} us per taught token (median of {steps - 2} steps)"},
+    ]
+
+
 def _launch(args: list[str], log: Path) -> tuple[float, int]:
     """A one-step `python train.py` (1 process) in a child: (seconds from start to exit, bytes it read
     from storage: ru_inblock, which counts read() calls and memmap page faults that miss the page cache)."""
@@ -771,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here (docs/bench.json is a full run's, whole)")
-    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora"), help="run only these rows")
+    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora", "sft"), help="run only these rows")
     parser.add_argument("--corpus-mb", type=int, default=200, help="size of the packing rows' generated corpus (and twice it)")
     a = parser.parse_args(argv)
     t0 = time.time()
@@ -785,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.only:
             rows += {"packing": lambda: packing_rows(work, a.corpus_mb), "generation": generation_rows,
                      "throughput": lambda: throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work),
-                     "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if a.quick else 2.0, 3)]}[a.only]()
+                     "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if a.quick else 2.0, 3)],
+                     "sft": lambda: sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12)}[a.only]()
             return report(rows, a, t0)
         rows += resume_rows(10_000_000)  # first: its peak-RSS figure needs a process that has not peaked yet
         repeat = 3 if a.quick else 5
@@ -805,6 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += packing_rows(work, 50 if a.quick else a.corpus_mb)
         rows += order_rows()
         rows += launch_rows(work, 0.2 if a.quick else 2.0, 3)
+        rows += sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12)
         rows += generation_rows(64 if a.quick else 256)
     finally:
         if dist.is_initialized():

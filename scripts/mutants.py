@@ -127,6 +127,23 @@ MUTANTS = (
     Mutant("bijective-key-without-epoch", "the bijective order is keyed by seed + epoch (I1)",
            "data/sampler.py", "BijectiveOrder)(num_samples, seed + epoch)", "BijectiveOrder)(num_samples, seed + (epoch if kind == 'randperm' else 0))",
            ("tests/test_corpora.py::test_the_bijective_order_is_keyed_by_seed_plus_epoch_and_pinned_across_releases",)),
+    Mutant("loss-mean-of-means", "a chat step's loss is over the taught tokens of the global batch (I17)",
+           "train.py", '_, loss = reducer.net(x, y, positions=batch[2].to(rt.device, non_blocking=True), reduction="sum")\n                    loss = loss * run.plan.micro_batches / taught',
+           '_, loss = reducer.net(x, y, positions=batch[2].to(rt.device, non_blocking=True))',
+           ("tests/test_chat.py::test_the_steps_loss_is_over_the_taught_tokens_of_the_global_batch_whatever_the_micro_batch",)),
+    Mutant("mask-from-the-opener", "the loss starts after <bos>assistant\\n, not at it (I17)",
+           "data/chat.py", "        start = at + len(opener)\n", "        start = at\n",
+           ("tests/test_chat.py::test_only_assistant_turns_teach_from_after_the_opener_through_im_end_and_its_newline",)),
+    Mutant("cross-talk", "packed conversations do not attend to each other (docs/sft.md)",
+           "model/model.py", "mask = ((seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal).unsqueeze(1)",
+           "mask = causal.expand(seg.shape[0], t, t).unsqueeze(1)",
+           ("tests/test_chat.py::test_a_conversations_logits_inside_a_pack_equal_its_logits_alone",)),
+    Mutant("html-escaping-tojson", "templates render as transformers renders them (I18)",
+           "data/chat.py", '    env.filters["tojson"] = tojson\n', "",
+           ("tests/test_chat.py::test_the_ids_are_transformers_apply_chat_template_tokenized_with_minimind_and_a_trained_tokenizer",)),
+    Mutant("system-prompt-unseeded", "the system-prompt draw is a pure function of (seed, index)",
+           "data/chat.py", "rnd = random.Random(derive_seed(opts.seed, SYSTEM_STREAM, index))", "rnd = random.Random()",
+           ("tests/test_chat.py::test_a_system_prompt_is_added_to_the_given_ratio_as_a_pure_function_of_seed_and_index",)),
 )
 
 

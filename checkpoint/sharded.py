@@ -1,0 +1,121 @@
+"""Sharded states through torch.distributed.checkpoint (DCP), under this package's rules
+(docs/design.md I8, I10, I19; docs/sharding.md).
+
+Each rank writes its own shards with DCP into the step's temporary folder (`shards/__<rank>_0.distcp`,
+rank 0 also `shards/.metadata`); each rank hashes the files it wrote and rank 0 lists them all in the
+one manifest it publishes with the rest of the checkpoint. Loading goes through DCP (which reshards
+to the current world size) with two changes that keep I10, "loading never runs code": DCP reads its
+`.metadata` with pickle and its non-tensor items with `torch.load(weights_only=False)`; here the
+metadata is unpickled by an allow-list of DCP's own metadata classes and torch's dtypes and sizes,
+and the items with `weights_only=True`. The files are verified against the manifest before either.
+
+Nothing here knows a model: a sharded state is any object with `sharded = True`, `state_dict()`
+(DTensors), `load_state_dict()` and `full_model_state()` (runtime/sharding.py: ShardedState).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHARDS = "shards"
+"""The sub-folder of a step folder holding DCP's files."""
+
+
+def is_sharded(obj: Any) -> bool:
+    return getattr(obj, "sharded", False) is True
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch's dtypes, layouts, memory formats and sizes, and plain
+    containers: anything else is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or module == "torch.distributed.checkpoint":
+            obj = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(obj, type):
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        elif module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex}[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata: refused (loading never runs code)")
+
+
+def _reader_classes():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            with open(self._get_metadata_path(rank), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)  # the default planner's, but weights_only
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element  # what the default planner uses
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeReader, SafePlanner
+
+
+def save(state: dict, folder: Path, rank: int) -> dict[str, dict]:
+    """Collective: write `state` with DCP into `folder`/shards; returns the manifest entries
+    ({"shards/<file>": {"bytes", "sha256"}}) of the files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    out = Path(folder) / SHARDS
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True, sync_files=True))
+    mine = sorted(out.glob(f"__{rank}_*.distcp")) + ([out / ".metadata"] if rank == 0 else [])
+    entries = {}
+    for path in mine:
+        h, n = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+                n += len(block)
+        entries[f"{SHARDS}/{path.name}"] = {"bytes": n, "sha256": h.hexdigest()}
+    return entries
+
+
+def load(state: dict, folder: Path, no_dist: bool = False) -> dict:
+    """Fill `state` (a state dict of DTensors or plain tensors of the target shapes) from the
+    shards of the verified checkpoint `folder`, resharded to this world size; returns it."""
+    import torch.distributed.checkpoint as dcp
+
+    reader_cls, planner_cls = _reader_classes()
+    dcp.load(state, storage_reader=reader_cls(str(Path(folder) / SHARDS)), planner=planner_cls(), no_dist=no_dist)
+    return state
+
+
+def full_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 model state of a sharded checkpoint, on one process without a process group:
+    the shapes from DCP's metadata, the values read and assembled from every rank's shards."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader_cls, _ = _reader_classes()
+    metadata = reader_cls(str(Path(folder) / SHARDS)).read_metadata()
+    state = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    loaded = load({"model": state}, folder, no_dist=True)
+    return loaded["model"]
