@@ -139,9 +139,14 @@ def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
     mine: list[tuple[int, list[float]]] = []
     was_training = run.model.training
     run.model.eval()
+    # Under fsdp every rank must run each forward (its all-gathers are collectives): a rank with
+    # fewer blocks runs its first block again and drops the result.
+    rounds = -(-((n + m - 1) // m) // rt.world_size) if run.sharded else len(blocks)
     with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
-        for b in blocks:
-            pairs = [val[i] for i in range(b * m, min((b + 1) * m, n))]
+        for k in range(rounds):
+            b = blocks[k] if k < len(blocks) else None
+            first = blocks[0] if blocks else 0
+            pairs = [val[i] for i in range((first if b is None else b) * m, min(((first if b is None else b) + 1) * m, n))]
             x = torch.stack([p[0] for p in pairs]).to(rt.device)
             y = torch.stack([p[1] for p in pairs]).to(rt.device)
             pos = torch.stack([p[2] for p in pairs]).to(rt.device) if len(pairs[0]) == 3 else None  # chat rows
@@ -149,6 +154,8 @@ def evaluate(cfg: Config, rt: runtime.Runtime, run: "Run") -> float:
                 logits, _ = run.model(x, positions=pos)
             token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             token_loss = token_loss.view(len(pairs), -1).double()
+            if b is None:
+                continue
             if pos is None:
                 mine.append((b, token_loss.mean(1).tolist()))
             else:  # a row's loss: the mean over its taught tokens (cross_entropy gives 0 where the target is -100)
@@ -236,9 +243,12 @@ class Run:
     train_state: TrainState
     ckpt: CheckpointManager
     unigram_entropy: float
+    sharded: bool = False
 
     @property
     def states(self) -> dict:
+        if self.sharded:  # model and optimizer in one state, saved shard by shard (runtime/sharding.py)
+            return {"sharded": runtime.sharding.ShardedState(self.model, self.opt), "train": self.train_state}
         return {"model": self.model, "optimizer": self.opt, "train": self.train_state, **({"scaler": self.scaler} if self.scaler else {})}
 
 
@@ -251,6 +261,9 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
         raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
     runtime.seed_all(cfg.seed)  # identical model init on every rank
     model = MiniMindLM(cfg.model).to(rt.device)
+    fsdp = cfg.dist.strategy == "fsdp"
+    if fsdp:  # before the optimizer, which then holds the shards
+        runtime.sharding.shard(model, rt, cfg.train.dtype, cfg.dist.reshard_after_forward)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     meta = RunMeta(rt.world_size, plan.global_batch, plan.micro_batch, plan.accum, rt.threads, cfg.dist.reduce,
                    to_dict(cfg), fingerprint, rt.broadcast(new_run_id()), MUST_MATCH | {
@@ -259,7 +272,7 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta)
     chat = cfg.data.format == "chat"  # the unigram entropy is the pretraining yardstick; a chat run's is its taught tokens'
     entropy = unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1), dataset.dtype) if rt.is_main and not chat else float("nan")
-    run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy)
+    run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt, entropy, fsdp)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads, cfg.dist.reduce)
@@ -276,6 +289,9 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
 
 def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
     """DDP or the canonical reduction, wrapped after the load so that every rank starts from the same weights."""
+    if run.sharded:
+        kind = runtime.sharding.FSDPReduce if cfg.dist.reduce == "ddp" else runtime.sharding.FSDPCanonicalReduce
+        return kind(run.model, rt, run.plan.accum)
     if cfg.dist.reduce == "ddp":
         return runtime.DDPReduce(run.model, rt, run.plan.accum)
     hashes = rt.all_gather(model_sha256(run.model.state_dict()))
@@ -295,7 +311,8 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
     tokens (the global count: each micro-batch's summed loss is scaled by M / taught, so what the
     reducers average over the M micro-batches is the sum over every taught token / their count,
     whatever the split; docs/design.md I17)."""
-    autocast = runtime.autocast(rt.device, cfg.train.dtype)
+    # Under fsdp the precision is FSDP's mixed-precision policy (runtime/sharding.py), not autocast.
+    autocast = contextlib.nullcontext() if run.sharded else runtime.autocast(rt.device, cfg.train.dtype)
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
     scaler = run.scaler
     for j, batch in enumerate(micro_batches):
@@ -315,7 +332,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
     if scaler:
         scaler.unscale_(run.opt)
     if cfg.train.grad_clip:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip)
+        reducer.clip(cfg.train.grad_clip)
     if scaler:
         scaler.step(run.opt)
         scaler.update()
@@ -433,15 +450,21 @@ def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resu
         return
     if not cfg.model.init_from:
         return
-    record, error = None, None
+    record, error, whole = None, None, None
     try:
-        record = weights.init_from(run.model, cfg.model.init_from)
+        if run.sharded:  # read into a whole model, handed to the shards once every rank has it
+            whole = MiniMindLM(cfg.model)
+            record = weights.init_from(whole, cfg.model.init_from)
+        else:
+            record = weights.init_from(run.model, cfg.model.init_from)
     except (WeightsError, CheckpointError) as e:
         error = (type(e).__name__, str(e))
     failed = [e for e in rt.all_gather(error) if e]
     if failed:
         kind, message = failed[0]
         raise (WeightsError if kind == "WeightsError" else CheckpointError)(message)
+    if whole is not None:
+        runtime.sharding.load_full(run.model, whole.state_dict())
     run.ckpt.meta.init_from = record
     if rt.is_main:
         log.info("model.init_from: %s weights from %s (sha256 %s); optimizer, LR schedule and data start fresh",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import storage
+from checkpoint import sharded, storage
 from checkpoint.files import atomic_file, durable_tree, fsync_path
 from checkpoint.manager import half_weights
 from data import tokenizer as tokenizers
@@ -111,7 +111,7 @@ def checkpoint_weights(ckpt: Path) -> tuple[Path, dict, ModelConfig, dict[str, t
     folder, manifest, _ = storage.find_checkpoint(ckpt)
     _, payload = storage.load_verified(folder)
     try:
-        return folder, manifest, ModelConfig(**payload["config"]["model"]), payload["model"]
+        return folder, manifest, ModelConfig(**payload["config"]["model"]), sharded.model_state(folder, payload)
     except (KeyError, TypeError, ValueError) as e:
         raise storage.CheckpointError(f"{folder / storage.RESUME_FILE}: not a resume file of this trainer ({type(e).__name__}: {e})") from None
 

@@ -26,7 +26,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import runfolder, storage
+from . import runfolder, sharded, storage
 
 
 def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
@@ -39,8 +39,17 @@ def inspect_checkpoint(folder: Path, manifest: dict) -> dict:
 
 def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
     train = payload["train"]
-    sha = storage.model_sha256(payload["model"])
-    optimizer_bytes = sum(t.numel() * t.element_size() for st in payload["optimizer"]["state"].values() for t in st.values() if hasattr(t, "numel"))
+    model = sharded.model_state(folder, payload)
+    sha = storage.model_sha256(model)
+    if payload.get("sharded"):  # shards of every rank, assembled here on one process
+        from model import MiniMindLM, ModelConfig
+
+        optimizer_bytes = sharded.optimizer_bytes(folder)
+        parameters = MiniMindLM(ModelConfig(**payload["config"]["model"])).num_parameters()
+    else:
+        optimizer_bytes = sum(t.numel() * t.element_size() for st in payload["optimizer"]["state"].values() for t in st.values() if hasattr(t, "numel"))
+        # Tied tensors share storage: count each storage once.
+        parameters = sum(t.numel() for t in {t.untyped_storage().data_ptr(): t for t in model.values()}.values())
     return {
         "path": str(folder),
         "step": train["step"],
@@ -55,8 +64,8 @@ def _describe(folder: Path, manifest: dict, payload: dict) -> dict:
         "run_id": payload.get("run_id"),
         "model_sha256": sha,
         "manifest_model_sha256_matches": manifest.get("model_sha256") == sha,
-        # Tied tensors share storage: count each storage once.
-        "parameters": sum(t.numel() for t in {t.untyped_storage().data_ptr(): t for t in payload["model"].values()}.values()),
+        "parameters": parameters,
+        "sharded": bool(payload.get("sharded")),
         "optimizer_state_bytes": optimizer_bytes,
         "ranks_with_rng_state": len(payload.get("rng") or []),
         "data_fingerprint": {k: payload["data_fingerprint"].get(k) for k in ("source", "source_sha256", "tokenizer", "tokenizer_source", "vocab_size", "dtype", "seq_len", "num_samples")},
@@ -87,8 +96,8 @@ def compare_runs(a: Path, b: Path) -> dict:
     """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
     `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
     ia, ib = inspect_path(a), inspect_path(b)
-    wa = storage.safe_load(Path(ia["path"]) / storage.RESUME_FILE)["model"]
-    wb = storage.safe_load(Path(ib["path"]) / storage.RESUME_FILE)["model"]
+    wa = sharded.model_state(Path(ia["path"]), storage.safe_load(Path(ia["path"]) / storage.RESUME_FILE))
+    wb = sharded.model_state(Path(ib["path"]), storage.safe_load(Path(ib["path"]) / storage.RESUME_FILE))
     max_dw = max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if k in wb and wa[k].shape == wb[k].shape),
                  default=float("nan"))
     la, lb = _losses(a), _losses(b)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from . import rng, runfolder, storage
+from . import rng, runfolder, sharded, storage
 from .files import atomic_write, fsync_path
 from .config import CheckpointConfig
 
@@ -222,11 +223,11 @@ class CheckpointManager:
                 raise storage.CheckpointMismatch(
                     f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, "
                     f"or use checkpoint.resume=auto with out_dir={mode}")
-            return path, *storage.load_verified_with_bytes(path)[1:]  # an explicit path must verify or the run fails
+            return path, *_load_verified(path)[1:]  # an explicit path must verify or the run fails
         faults = []
         for step, folder in storage.list_checkpoints(self.root, warn=True):
             try:
-                _, payload, data = storage.load_verified_with_bytes(folder)
+                _, payload, data = _load_verified(folder)
             except storage.CheckpointError as e:
                 faults.append((step, folder, str(e)))
                 continue
@@ -283,8 +284,16 @@ class CheckpointManager:
             if payload is None:  # the other ranks: rank 0's verified bytes, deserialized here (weights_only)
                 payload = storage.deserialize(data, path / storage.RESUME_FILE, "cpu")
             self._check_compatible(path, payload)
+            ours = any(sharded.is_sharded(obj) for obj in states.values())
+            if bool(payload.get("sharded")) != ours:
+                theirs = "dist.strategy=fsdp (sharded)" if payload.get("sharded") else "dist.strategy=ddp (not sharded)"
+                raise storage.CheckpointMismatch(
+                    f"{path}: written by a {theirs} run; this run is dist.strategy={'fsdp' if ours else 'ddp'}: resume it with "
+                    f"the strategy that wrote it (docs/sharding.md)")
             for name, obj in states.items():
-                if name in payload:
+                if sharded.is_sharded(obj):
+                    obj.load_state_dict(sharded.load(obj.state_dict(), path))  # resharded to this world size
+                elif name in payload:
                     obj.load_state_dict(payload[name])
                 elif name in OPTIONAL_STATES:
                     log.warning("%s: no '%s' state in the resume file; it starts fresh", path, name)
@@ -379,6 +388,8 @@ class CheckpointManager:
         background = self.cfg.async_ if background is None else background
         t0 = time.monotonic()
         rng_states = self.comm.gather(rng.capture(self.comm.device))  # a collective: every rank
+        if any(sharded.is_sharded(obj) for obj in states.values()):
+            return self._save_sharded(step, states, rng_states, t0)
         failed = False
         if self.comm.is_main:
             self.wait()  # the previous async save, before a new one
@@ -406,18 +417,60 @@ class CheckpointManager:
         if not background and self.comm.any(failed):
             self._raise_failure()
 
-    def _write(self, step: int, snapshot: dict, weights: dict | None, rng_states: list, t0: float) -> None:
+    def _save_sharded(self, step: int, states: dict[str, Stateful], rng_states: list | None, t0: float) -> None:
+        """A sharded save (docs/design.md I19): every rank writes its shards with DCP into the step's
+        temporary folder and hashes them; rank 0 gathers the hashes, writes the resume file (the
+        states that are not sharded), the fp16 weights (the full model, gathered to it) and the one
+        manifest, and publishes the folder by the same rename. All ranks fail together."""
+        [(name, obj)] = [(n, o) for n, o in states.items() if sharded.is_sharded(o)]
+        full = obj.full_model_state()  # a collective: rank 0 gets the full fp32 model
+        tmp, error, entries = None, None, {}
+        if self.comm.is_main:
+            self.wait()
+            try:
+                tmp = storage.new_temporary(self.root, step)
+            except OSError as e:
+                error = f"{self.root}: {e.strerror or e}"
+        tmp = self.comm.broadcast(str(tmp) if tmp else error and {"error": error})
+        if isinstance(tmp, dict):
+            raise storage.CheckpointError(f"saving step {step} failed: {tmp['error']}")
+        try:
+            entries = sharded.save(obj.state_dict(), Path(tmp), self.comm.rank)
+        except Exception as e:  # DCP raises on every rank when one fails; each says why
+            error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
+        gathered = self.comm.gather((entries, error))
+        failed = False
+        if self.comm.is_main:
+            try:
+                errors = [e for _, e in gathered if e]
+                if errors:
+                    raise storage.CheckpointError(f"saving step {step} failed: the shards: {errors[0]}")
+                if self.metrics_path.exists():
+                    fsync_path(self.metrics_path)
+                written = {k: v for part, _ in gathered for k, v in part.items()}
+                snapshot = {n: o.state_dict() for n, o in states.items() if n != name}
+                self._write(step, {**snapshot, "sharded": {name: sharded.SHARDS}}, half_weights(full), rng_states, t0,
+                            model=full, tmp=Path(tmp), written=written)
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._error, failed = e, True
+        if self.comm.any(failed):
+            self._raise_failure()
+
+    def _write(self, step: int, snapshot: dict, weights: dict | None, rng_states: list, t0: float,
+               model: dict | None = None, tmp: Path | None = None, written: dict | None = None) -> None:
         """Serialize, hash, fsync and publish (the part an async save does in the background)."""
-        weights = weights if weights is not None else half_weights(snapshot["model"], single_thread=True)
+        model = snapshot["model"] if model is None else model
+        weights = weights if weights is not None else half_weights(model, single_thread=True)
         record = self.meta.record()
         resume = {"format": RESUME_FORMAT, **snapshot, "rng": rng_states, **record}
         files = {storage.RESUME_FILE: resume, storage.WEIGHTS_FILE: weights, **self.meta.files}
         # The weights' sha256 is computed in a thread of its own while the files are written (it is
         # only needed in the manifest, which comes last): one more hash of 4 bytes a parameter.
-        model_sha = _model_hasher.submit(storage.model_sha256, snapshot["model"])
+        model_sha = _model_hasher.submit(storage.model_sha256, model)
         manifest = {**snapshot["train"], **{k: v for k, v in record.items() if k != "data_fingerprint"},
                     "model_sha256": model_sha, "created_unix": time.time()}
-        final = storage.publish(self.root, step, files, manifest)
+        final = storage.publish(self.root, step, files, manifest, tmp, written)
         self.owned.add(final)
         pruned = storage.prune(self.root, self.cfg.keep, self.owned)
         log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
@@ -469,6 +522,15 @@ def bytes_read() -> int:
     except OSError:
         pass
     return 0
+
+
+def _load_verified(folder: Path) -> tuple[dict, dict, bytes]:
+    """storage.load_verified_with_bytes, and for a sharded checkpoint every shard's sha256 too (the
+    other ranks read shards that rank 0 vouched for; a damaged shard makes the folder not verify)."""
+    body, payload, data = storage.load_verified_with_bytes(folder)
+    if isinstance(payload, dict) and payload.get("sharded"):
+        storage.verify(folder, only=lambda name: name.startswith(f"{sharded.SHARDS}/"))
+    return body, payload, data
 
 
 def new_run_id() -> str:

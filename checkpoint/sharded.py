@@ -43,6 +43,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(torch, name, None)
             if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
                 return obj
+        elif module == "torch.serialization" and name == "_get_layout":  # how a torch.layout pickles: a name lookup
+            return torch.serialization._get_layout
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            import pathlib  # the checkpoint's id DCP records: a path, only built, never opened
+
+            return getattr(pathlib, name)
         elif module == "collections" and name == "OrderedDict":
             import collections
 
@@ -79,6 +85,17 @@ def _reader_classes():
     return SafeReader, SafePlanner
 
 
+def _read_metadata(folder: Path):
+    """DCP's metadata of a checkpoint's shards, through the allow-list; CheckpointError when refused."""
+    from .storage import CheckpointError
+
+    reader_cls, _ = _reader_classes()
+    try:
+        return reader_cls(str(Path(folder) / SHARDS)).read_metadata()
+    except (pickle.UnpicklingError, OSError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{Path(folder) / SHARDS / '.metadata'}: {e}") from None
+
+
 def save(state: dict, folder: Path, rank: int) -> dict[str, dict]:
     """Collective: write `state` with DCP into `folder`/shards; returns the manifest entries
     ({"shards/<file>": {"bytes", "sha256"}}) of the files this rank wrote."""
@@ -103,8 +120,13 @@ def load(state: dict, folder: Path, no_dist: bool = False) -> dict:
     shards of the verified checkpoint `folder`, resharded to this world size; returns it."""
     import torch.distributed.checkpoint as dcp
 
+    from .storage import CheckpointError
+
     reader_cls, planner_cls = _reader_classes()
-    dcp.load(state, storage_reader=reader_cls(str(Path(folder) / SHARDS)), planner=planner_cls(), no_dist=no_dist)
+    try:
+        dcp.load(state, storage_reader=reader_cls(str(Path(folder) / SHARDS)), planner=planner_cls(), no_dist=no_dist)
+    except Exception as e:  # DCP gathers every rank's failure into one exception (pickle refusals included)
+        raise CheckpointError(f"{Path(folder) / SHARDS}: the shards cannot be loaded ({type(e).__name__}: {e})") from None
     return state
 
 
@@ -113,9 +135,28 @@ def full_model(folder: Path) -> dict[str, torch.Tensor]:
     the shapes from DCP's metadata, the values read and assembled from every rank's shards."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader_cls, _ = _reader_classes()
-    metadata = reader_cls(str(Path(folder) / SHARDS)).read_metadata()
+    metadata = _read_metadata(folder)
     state = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    loaded = load({"model": state}, folder, no_dist=True)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        loaded = load({"model": state}, folder, no_dist=True)
     return loaded["model"]
+
+
+def model_state(folder: Path, payload: dict) -> dict[str, torch.Tensor]:
+    """The fp32 model state of a checkpoint's resume payload: in it, or assembled from its shards."""
+    if isinstance(payload, dict) and payload.get("sharded"):
+        return full_model(folder)
+    return payload["model"]
+
+
+def optimizer_bytes(folder: Path) -> int:
+    """Bytes of the optimizer's tensors in a sharded checkpoint, from DCP's metadata (nothing else read)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _read_metadata(folder)
+    return sum(m.size.numel() * m.properties.dtype.itemsize for k, m in metadata.state_dict_metadata.items()
+               if k.startswith("optimizer.state.") and isinstance(m, TensorStorageMetadata))

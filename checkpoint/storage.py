@@ -35,6 +35,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A run's tokenizer files, copied as they are into each checkpoint when the run has them."""
 FILES = frozenset({RESUME_FILE, WEIGHTS_FILE, *TOKENIZER_FILES})
 """The only names a manifest may list: a manifest never decides which files are opened."""
+SHARD_NAME = re.compile(r"^shards/(__\d{1,6}_\d{1,6}\.distcp|\.metadata)$")
+"""...besides DCP's files of a sharded checkpoint, in its shards/ folder (checkpoint/sharded.py)."""
 FORMAT = 1
 log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -159,20 +161,33 @@ def _fsync_close(f) -> None:
         f.close()
 
 
-def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Path:
+def new_temporary(root: Path, step: int) -> Path:
+    """A fresh temporary folder for checkpoint `step` (discovery never takes it for a checkpoint;
+    clear_temporaries removes it when a save dies)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: Path | None = None,
+            written: dict[str, dict] | None = None) -> Path:
     """Write `files` (name -> object for torch.save, or raw bytes) as checkpoint `step` under `root`.
     A `manifest` value may be a Future (a hash computed while the files are written): it is awaited
-    once the files are on disk, before the manifest is written.
+    once the files are on disk, before the manifest is written. `tmp` and `written`: a temporary
+    folder (new_temporary) that already holds files other processes wrote and fsynced (a sharded
+    checkpoint's shards), with their manifest entries; they are listed with the rest.
 
     On any failure the temporary folder is removed, nothing new is visible, and the error (with the
     path and the cause) propagates.
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     try:
-        tmp.mkdir()
-        entries, fsyncs = {}, []
+        tmp = tmp or new_temporary(root, step)
+        entries, fsyncs = dict(written or {}), []
+        for sub in {Path(name).parent for name in entries} - {Path(".")}:
+            fsync_path(tmp / sub)  # the shards' names are durable in their folder
         try:
             for name, obj in files.items():
                 # a file's fsync runs while the next one is written
@@ -203,7 +218,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict) -> Pat
             os.replace(tmp, final)
         fsync_path(root)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception):
             raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}") from e
         raise
@@ -243,6 +259,9 @@ def retire(folder: Path) -> list[str]:
     (folder / MANIFEST).unlink()
     for name in body["files"]:
         (folder / name).unlink(missing_ok=True)
+    shards = folder / "shards"
+    if shards.is_dir() and not shards.is_symlink() and not any(shards.iterdir()):
+        shards.rmdir()
     left = sorted(p.name for p in folder.iterdir())
     if not left:
         folder.rmdir()
@@ -387,8 +406,9 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads format {FORMAT}")
     for name, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
-        if name not in FILES:
-            raise CheckpointError(f"{path}: lists {name!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))})")
+        if name not in FILES and not SHARD_NAME.match(name):
+            raise CheckpointError(f"{path}: lists {name!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))}"
+                                  f" or shards/__<rank>_<n>.distcp and shards/.metadata)")
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
             raise CheckpointError(f"{path}: the entry for {name} is not {{'bytes': int, 'sha256': str}}")
     if RESUME_FILE not in body["files"]:
@@ -399,10 +419,13 @@ def read_manifest(folder: Path) -> dict:
     return body
 
 
-def verify(folder: Path) -> dict:
-    """The manifest of `folder` after checking every file's size and sha256 against it."""
+def verify(folder: Path, only=None) -> dict:
+    """The manifest of `folder` after checking every file's size and sha256 against it (of the
+    files for which `only(name)` is true, when given)."""
     body = _listed_files_present(folder)
     for name, entry in body["files"].items():
+        if only is not None and not only(name):
+            continue
         sha = hashlib.sha256()
         with open(folder / name, "rb") as f:
             while block := f.read(1 << 22):

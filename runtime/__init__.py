@@ -2,6 +2,7 @@
 (logs.py), the two gradient reductions (reduce.py) and derived seeds (seeding.py)."""
 from .elastic import agree_on_attempt, attempt_store
 from .logs import setup_logging
+from . import sharding
 from .reduce import CanonicalReduce, DDPReduce
 from .seeding import derive_seed, seed_all
 from .setup import DTYPES, DistConfig, Runtime, RuntimeConfig, SetupError, autocast, default_threads, setup, teardown

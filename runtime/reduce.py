@@ -41,6 +41,9 @@ class DDPReduce:
         local, self._loss = float(self._loss), 0.0
         return self.rt.sum([local])[0] / self.rt.world_size
 
+    def clip(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
 
 class CanonicalReduce:
     """dist.reduce=canonical: every micro-batch's gradient is kept apart, all-gathered, and summed by
@@ -94,3 +97,6 @@ class CanonicalReduce:
             p.grad = total[offset : offset + n].view_as(p).clone()
             offset += n
         return float(total[self.numel])
+
+    def clip(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

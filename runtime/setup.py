@@ -59,9 +59,15 @@ class DistConfig:
     """auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
     timeout_s: int = 600
     """Collective timeout."""
+    strategy: str = "ddp"
+    """ddp (every rank holds the whole model and optimizer) | fsdp (FSDP2: parameters, gradients and optimizer
+    state sharded over the ranks, sharded checkpoints; docs/sharding.md). Fixed for a run."""
+    reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward (less memory, one more all-gather in the backward)."""
 
     def __post_init__(self) -> None:
         choice("dist.reduce", self.reduce, ("ddp", "canonical"))
+        choice("dist.strategy", self.strategy, ("ddp", "fsdp"))
         choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
         if self.timeout_s <= 0:
             raise ValueError(f"dist.timeout_s: expected a positive number, got {self.timeout_s}")
@@ -187,6 +193,10 @@ def setup(config: SetupConfig) -> Runtime:
             dist.init_process_group(chosen, timeout=timeout)
         else:
             dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif getattr(config.dist, "strategy", "ddp") == "fsdp":  # FSDP needs a process group, even of one (plain python)
+        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return Runtime(rank, local_rank, world_size, local_world_size, device, chosen, threads)
 
 

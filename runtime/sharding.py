@@ -42,6 +42,13 @@ def shard(model: torch.nn.Module, rt: Runtime, dtype: str, reshard_after_forward
     return model
 
 
+def load_full(model: torch.nn.Module, full_state: dict) -> None:
+    """Every rank holds the same whole state dict: each keeps its shards of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
+
+
 def fsdp_modules(model: torch.nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 

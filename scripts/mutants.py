@@ -144,6 +144,19 @@ MUTANTS = (
     Mutant("system-prompt-unseeded", "the system-prompt draw is a pure function of (seed, index)",
            "data/chat.py", "rnd = random.Random(derive_seed(opts.seed, SYSTEM_STREAM, index))", "rnd = random.Random()",
            ("tests/test_chat.py::test_a_system_prompt_is_added_to_the_given_ratio_as_a_pure_function_of_seed_and_index",)),
+    Mutant("fsdp-sum-out-of-order", "under fsdp + canonical, micro-batch gradients are summed in micro-batch order (I19)",
+           "runtime/sharding.py", "        for s in range(first, w):  # micro-batch i", "        for s in reversed(range(first, w)):  # micro-batch i",
+           ("tests/test_sharding.py::test_fsdp_canonical_is_bit_identical_on_1_2_and_3_processes_across_resumes_and_equal_to_ddp_canonical",)),
+    Mutant("fsdp-clip-by-shard-norms", "under fsdp + canonical, the clipping norm does not depend on the sharding (I19)",
+           "runtime/sharding.py", "        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)",
+           "        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)",
+           ("tests/test_sharding.py::test_fsdp_canonical_is_bit_identical_on_1_2_and_3_processes_across_resumes_and_equal_to_ddp_canonical",)),
+    Mutant("shards-not-verified", "a damaged shard makes its checkpoint not verify (I8, I19)",
+           "checkpoint/manager.py", "        storage.verify(folder, only=lambda name: name.startswith(f\"{sharded.SHARDS}/\"))\n", "        pass\n",
+           ("tests/test_sharding.py::test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint",)),
+    Mutant("dcp-metadata-pickle", "DCP's metadata is unpickled by an allow-list: loading never runs code (I10)",
+           "checkpoint/sharded.py", "                metadata = _MetadataUnpickler(f).load()", "                metadata = pickle.load(f)",
+           ("tests/test_sharding.py::test_the_shards_metadata_is_unpickled_by_an_allow_list_and_code_in_it_never_runs",)),
 )
 
 

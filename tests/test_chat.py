@@ -233,9 +233,8 @@ def test_a_chat_run_is_bit_identical_on_1_2_and_3_processes_and_across_a_resume_
             "model.dim=32", "model.n_layers=2", "model.seq_len=128", "train.global_batch=6", "train.micro_batch=1",
             "train.steps=7", "train.warmup_steps=2", "checkpoint.interval=1", "checkpoint.keep=100", "dist.reduce=canonical",
             "runtime.threads=1", "log.progress=false", "log.sample_ids=true"]
-    assert launch.in_process(*base, f"out_dir={tmp_path / 'one'}")[0] == 0  # the uninterrupted run
-    launch.run(3, *base, f"out_dir={tmp_path / 'three'}")
-    launch.assert_same_as_reference_at(tmp_path / "three", tmp_path / "one", 7)
+    assert launch.in_process(*base, f"out_dir={tmp_path / 'one'}")[0] == 0  # the uninterrupted run, 1 process
+    # Steps 1-3 on 2 processes, 4-5 on 3, 6-7 on 1: each stretch is compared with the one-process run.
     launch.run(2, *base, "train.halt_at=3", f"out_dir={tmp_path / 'moved'}")  # an odd step on 2
     launch.run(3, *base, "train.halt_at=5", f"out_dir={tmp_path / 'moved'}")  # then 3
     assert launch.in_process(*base, f"out_dir={tmp_path / 'moved'}")[0] == 0  # then 1
