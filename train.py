@@ -263,7 +263,7 @@ def build(cfg: Config, rt: runtime.Runtime) -> Run:
     model = MiniMindLM(cfg.model).to(rt.device)
     fsdp = cfg.dist.strategy == "fsdp"
     if fsdp:  # before the optimizer, which then holds the shards
-        runtime.sharding.shard(model, rt, cfg.train.dtype, cfg.dist.reshard_after_forward)
+        runtime.sharding.shard(model, cfg.train.dtype, cfg.dist.reshard_after_forward)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     meta = RunMeta(rt.world_size, plan.global_batch, plan.micro_batch, plan.accum, rt.threads, cfg.dist.reduce,
                    to_dict(cfg), fingerprint, rt.broadcast(new_run_id()), MUST_MATCH | {

@@ -470,7 +470,7 @@ class CheckpointManager:
         model_sha = _model_hasher.submit(storage.model_sha256, model)
         manifest = {**snapshot["train"], **{k: v for k, v in record.items() if k != "data_fingerprint"},
                     "model_sha256": model_sha, "created_unix": time.time()}
-        final = storage.publish(self.root, step, files, manifest, tmp, written)
+        final = storage.publish(self.root, step, files, manifest, **({"tmp": tmp, "written": written} if tmp else {}))
         self.owned.add(final)
         pruned = storage.prune(self.root, self.cfg.keep, self.owned)
         log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,

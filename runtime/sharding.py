@@ -30,7 +30,7 @@ from .setup import Runtime
 STRATEGIES = ("ddp", "fsdp")
 
 
-def shard(model: torch.nn.Module, rt: Runtime, dtype: str, reshard_after_forward: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, dtype: str, reshard_after_forward: bool) -> torch.nn.Module:
     """Apply fully_shard to each block, then to the root; returns the same (now sharded) module."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -58,6 +58,8 @@ AIMS = {
     "bijective first batch at 90%, ms": ("<=", 10.0),
     "packed: real tokens / tokens computed": (">=", 0.9),
     "taught tokens per token computed, packed / padded": (">=", 1.5),
+    "fsdp / ddp memory, 2 processes": ("<=", 0.55),
+    "fsdp / ddp memory, 4 processes": ("<=", 0.3),
 }
 
 
@@ -732,6 +734,86 @@ def sft_rows(work: Path, conversations: int, steps: int) -> list[dict]:
     ]
 
 
+_SHARD_CHILD = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+from model import MiniMindLM, ModelConfig
+from runtime import sharding
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+cfg = ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, vocab_size=6400, seq_len=64)
+out = {}
+for strategy in ("ddp", "fsdp"):
+    model = MiniMindLM(cfg)
+    net = model
+    if strategy == "fsdp":
+        sharding.shard(model, "float32", True)
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    _, loss = net(x, x)
+    loss.backward()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    grads = sum(local(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None)
+    opt.step()
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    state = sum(local(v).numel() * local(v).element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    out[strategy] = {"params": params, "grads": grads, "optimizer": state}
+per_rank = [None] * dist.get_world_size()
+dist.all_gather_object(per_rank, out)
+if dist.get_rank() == 0:
+    print(json.dumps(per_rank))
+dist.destroy_process_group()
+"""
+
+
+def sharding_rows(work: Path, steps: int) -> list[dict]:
+    """dist.strategy=fsdp against ddp: per-rank bytes of parameters, gradients and AdamW state of the
+    26M shape on 2 and 4 processes (the largest rank's, counted from the tensors each rank holds),
+    and on 2 processes the step time and the checkpoint save time of train.py (a 25M model on bytes)."""
+    rows = []
+    for n in (2, 4):
+        child = work / "shard_child.py"
+        child.write_text(_SHARD_CHILD)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(child),
+                               str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench: the sharding child failed:\n{proc.stderr[-3000:]}")
+        per_rank = json.loads(proc.stdout.strip().splitlines()[-1])
+        total = {k: max(sum(r[k].values()) for r in per_rank) for k in ("ddp", "fsdp")}
+        parts = {k: max(r["fsdp"][k] for r in per_rank) / 2**20 for k in ("params", "grads", "optimizer")}
+        rows.append({"row": f"per-rank bytes of parameters + gradients + AdamW state, 26M shape, {n} processes",
+                     "what": "fsdp / ddp", "value": total["fsdp"] / total["ddp"], "aim": f"fsdp / ddp memory, {n} processes",
+                     "detail": f"{total['fsdp'] / 2**20:.0f} MiB / {total['ddp'] / 2**20:.0f} MiB on the largest rank "
+                               f"(fsdp: {parts['params']:.0f} + {parts['grads']:.0f} + {parts['optimizer']:.0f} MiB)"})
+    timing = {}
+    big = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=2", "model.seq_len=128", "train.global_batch=8",
+           "train.micro_batch=2", f"train.steps={steps}", "checkpoint.interval=4", "log.progress=false", "dist.reduce=ddp"]
+    import re
+
+    for strategy in ("ddp", "fsdp"):
+        out = work / f"shard-{strategy}"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                               "--config", "configs/tiny.yaml", *big, f"dist.strategy={strategy}", f"out_dir={out}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench: the {strategy} run failed:\n{proc.stderr[-3000:]}")
+        metrics = runfolder.read_metrics(out)
+        saves = [float(x) for x in re.findall(r"saved \S+: step \d+, ([\d.]+)s", proc.stderr)]
+        timing[strategy] = (statistics.median(m["step_s"] for m in metrics[2:]), statistics.median(saves))
+        shutil.rmtree(out, ignore_errors=True)
+    (sd, vd), (sf, vf) = timing["ddp"], timing["fsdp"]
+    rows += [
+        {"row": "step time, 25M model, 2 processes (gloo, CPU)", "what": "fsdp / ddp", "value": sf / sd,
+         "detail": f"{sf * 1e3:.0f} ms / {sd * 1e3:.0f} ms (median of {steps - 2} steps)"},
+        {"row": "checkpoint save, 25M model, 2 processes", "what": "sharded (DCP) / ddp", "value": vf / vd,
+         "detail": f"{vf:.2f} s / {vd:.2f} s (median of {len(saves)} saves, as the run logs them)"},
+    ]
+    return rows
+
+
 def _launch(args: list[str], log: Path) -> tuple[float, int]:
     """A one-step `python train.py` (1 process) in a child: (seconds from start to exit, bytes it read
     from storage: ru_inblock, which counts read() calls and memmap page faults that miss the page cache)."""
@@ -839,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here (docs/bench.json is a full run's, whole)")
-    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora", "sft"), help="run only these rows")
+    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora", "sft", "sharding"), help="run only these rows")
     parser.add_argument("--corpus-mb", type=int, default=200, help="size of the packing rows' generated corpus (and twice it)")
     a = parser.parse_args(argv)
     t0 = time.time()
@@ -854,7 +936,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += {"packing": lambda: packing_rows(work, a.corpus_mb), "generation": generation_rows,
                      "throughput": lambda: throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work),
                      "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if a.quick else 2.0, 3)],
-                     "sft": lambda: sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12)}[a.only]()
+                     "sft": lambda: sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12),
+                     "sharding": lambda: sharding_rows(work, 6 if a.quick else 10)}[a.only]()
             return report(rows, a, t0)
         rows += resume_rows(10_000_000)  # first: its peak-RSS figure needs a process that has not peaked yet
         repeat = 3 if a.quick else 5
@@ -875,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += order_rows()
         rows += launch_rows(work, 0.2 if a.quick else 2.0, 3)
         rows += sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12)
+        rows += sharding_rows(work, 6 if a.quick else 10)
         rows += generation_rows(64 if a.quick else 256)
     finally:
         if dist.is_initialized():

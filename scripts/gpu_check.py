@@ -74,6 +74,34 @@ def exactness(work: Path, base: list[str], steps: int, device: str) -> list[dict
     return rows
 
 
+def fsdp_exactness(work: Path, base: list[str], steps: int, device: str) -> list[dict]:
+    """dist.strategy=fsdp in bfloat16 (FSDP's mixed precision): halted at half and resumed on the same
+    GPU count with FSDP's own reduce-scatter; and, where two GPUs (or the dry run's two CPU processes)
+    are present, halted on 2 and resumed on 1 under dist.reduce=canonical against the 1-GPU run."""
+    rows = []
+    gpus = torch.cuda.device_count() if device == "cuda" else 2
+    backend = "nccl" if device == "cuda" else "gloo"
+    args = [*base, "dist.strategy=fsdp", "train.dtype=bfloat16", f"dist.backend={backend}", f"train.steps={steps}",
+            "checkpoint.interval=0"]
+    plans = [("ddp", 1, 1)] + ([("canonical", 2, 1)] if gpus >= 2 else [])
+    for reduce, first, then in plans:
+        name = f"fsdp-{reduce}-{first}-{then}"
+        ref, run = work / f"ref-{name}", work / f"run-{name}"
+        a = [*args, f"dist.reduce={reduce}"]
+        t0 = time.time()
+        codes = [launch(then, [*a, f"out_dir={ref}"], work / "launches.log")[0],
+                 launch(first, [*a, f"train.halt_at={steps // 2}", f"out_dir={run}"], work / "launches.log")[0],
+                 launch(then, [*a, f"out_dir={run}"], work / "launches.log")[0]]
+        (sa, la), (sb, lb) = final(ref), final(run)
+        ok = codes == [0, 0, 0] and sa is not None and sa == sb and la == lb and len(la) == steps
+        rows.append({"check": f"fsdp, bfloat16, dist.reduce={reduce}: {steps} steps on {then} vs {steps // 2} on {first} + "
+                              f"{steps // 2} on {then} ({backend})",
+                     "result": "bit-identical" if ok else f"DIFFERENT (exit codes {codes})",
+                     "detail": f"sha256 {str(sa)[:12]}… vs {str(sb)[:12]}…, {len(lb)} losses equal: {la == lb}",
+                     "ok": ok, "seconds": round(time.time() - t0, 1)})
+    return rows
+
+
 STALL_AIM = 0.2
 """async stall / sync stall, the aim scripts/bench.py sets on the CPU."""
 
@@ -148,6 +176,7 @@ def main() -> int:
         common += shrink
         small += shrink
     rows = exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 60, device)
+    rows += fsdp_exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 40, device)
     rows += throughput(work, small, 8 if a.cpu_dry_run else 40, device)
     rows += stalls(work, small, 8 if a.cpu_dry_run else 20, aimed=not a.cpu_dry_run)
     info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,
