@@ -231,9 +231,9 @@ def test_a_system_prompt_is_added_to_the_given_ratio_as_a_pure_function_of_seed_
 def test_a_chat_run_is_bit_identical_on_1_2_and_3_processes_and_across_a_resume_that_changes_the_world_size(sft_corpus, tmp_path):
     base = [f"data.path={sft_corpus}", "data.format=chat", f"data.cache_dir={tmp_path / 'cache'}", "model.init_from=",
             "model.dim=32", "model.n_layers=2", "model.seq_len=128", "train.global_batch=6", "train.micro_batch=1",
-            "train.steps=7", "train.warmup_steps=2", "checkpoint.interval=1", "checkpoint.keep=100", "dist.reduce=canonical",
+            "train.steps=7", "train.warmup_steps=2", "checkpoint.keep=100", "dist.reduce=canonical",
             "runtime.threads=1", "log.progress=false", "log.sample_ids=true"]
-    assert launch.in_process(*base, f"out_dir={tmp_path / 'one'}")[0] == 0  # the uninterrupted run, 1 process
+    assert launch.in_process(*base, "checkpoint.interval=1", f"out_dir={tmp_path / 'one'}")[0] == 0  # uninterrupted, 1 process
     # Steps 1-3 on 2 processes, 4-5 on 3, 6-7 on 1: each stretch is compared with the one-process run.
     launch.run(2, *base, "train.halt_at=3", f"out_dir={tmp_path / 'moved'}")  # an odd step on 2
     launch.run(3, *base, "train.halt_at=5", f"out_dir={tmp_path / 'moved'}")  # then 3

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 import os
 
 import numpy as np
@@ -96,11 +97,24 @@ def test_a_missing_corpus_file_is_an_error_naming_it(tmp_path):
         resolve_source(str(tmp_path / "nope.jsonl"), tmp_path)
 
 
-def test_the_builtin_corpus_is_built_from_stdlib_docstrings_in_minimind_format(tmp_path):
+def test_the_builtin_corpora_are_built_from_stdlib_docstrings_in_minimind_formats(tmp_path, monkeypatch):
+    import sysconfig
+
+    from data import chat
+    from data.prepare import build_stdlib_chat
+    from data.sources import Corpus, Reader
+
+    # Two packages of the real standard library stand for all of it (the whole takes 12 s to parse here).
+    real = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**real, "stdlib": str(Path(real["stdlib"]) / "email")})
     path = build_stdlib_corpus(tmp_path / "stdlib.jsonl")
     lines = path.read_text().splitlines()
-    assert len(lines) > 1000
-    assert all(isinstance(json.loads(line)["text"], str) for line in lines[:50])
+    assert len(lines) > 100
+    assert all(isinstance(json.loads(line)["text"], str) for line in lines)
     bin_path, meta = pack(path, 64, tmp_path / "cache")
     # bytes of English text: well above 2 nats, well below uniform over 259
     assert 2.0 < unigram_entropy(bin_path) < 5.0
+    conversations = [c for c, _ in Reader(Corpus.of_file(build_stdlib_chat(tmp_path / "chat.jsonl")), parse=chat.parse_conversation)]
+    assert len(conversations) > 50
+    assert all([m["role"] for m in c[0]][-2:] == ["user", "assistant"] for c in conversations)
+    assert sum(c[0][0]["role"] == "system" for c in conversations) == -(-len(conversations) // 7)  # every seventh

@@ -51,7 +51,10 @@ def test_the_validation_loss_is_the_same_on_one_and_two_processes(tmp_path, watc
     runs = {}
     for nproc in (0, 2):
         out = tmp_path / f"w{nproc}"
-        launch.run(nproc, *watched, f"dist.reduce={reduce}", "train.steps=10", f"out_dir={out}")
+        if nproc:
+            launch.run(nproc, *watched, f"dist.reduce={reduce}", "train.steps=10", f"out_dir={out}")
+        else:  # one process: train.main here, the same code path without a launch
+            assert launch.in_process(*watched, f"dist.reduce={reduce}", "train.steps=10", f"out_dir={out}")[0] == 0
         runs[nproc] = [m["val_loss"] for m in launch.metrics(out) if "val_loss" in m]
     assert len(runs[0]) == 2
     gap = max(abs(a - b) for a, b in zip(runs[0], runs[2]))
