@@ -389,7 +389,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         rng_states = self.comm.gather(rng.capture(self.comm.device))  # a collective: every rank
         if any(sharded.is_sharded(obj) for obj in states.values()):
-            return self._save_sharded(step, states, rng_states, t0)
+            return self._save_sharded(step, states, rng_states, t0, background)
         failed = False
         if self.comm.is_main:
             self.wait()  # the previous async save, before a new one
@@ -417,16 +417,20 @@ class CheckpointManager:
         if not background and self.comm.any(failed):
             self._raise_failure()
 
-    def _save_sharded(self, step: int, states: dict[str, Stateful], rng_states: list | None, t0: float) -> None:
+    def _save_sharded(self, step: int, states: dict[str, Stateful], rng_states: list | None, t0: float,
+                      background: bool = False) -> None:
         """A sharded save (docs/design.md I19): every rank writes its shards with DCP into the step's
         temporary folder and hashes them; rank 0 gathers the hashes, writes the resume file (the
         states that are not sharded), the fp16 weights (the full model, gathered to it) and the one
-        manifest, and publishes the folder by the same rename. All ranks fail together."""
+        manifest, and publishes the folder by the same rename. Synchronous: all ranks fail together
+        here. In the background: every rank returns once DCP has staged its shards in CPU memory;
+        each rank's thread writes and hashes its shards and leaves the hashes in a small file that
+        rank 0's thread collects before it publishes; a failure anywhere surfaces at the next boundary."""
         [(name, obj)] = [(n, o) for n, o in states.items() if sharded.is_sharded(o)]
+        self.wait()  # every rank: its previous background save first (one DCP save at a time on its group)
         full = obj.full_model_state()  # a collective: rank 0 gets the full fp32 model
         tmp, error, entries = None, None, {}
         if self.comm.is_main:
-            self.wait()
             try:
                 tmp = storage.new_temporary(self.root, step)
             except OSError as e:
@@ -434,8 +438,18 @@ class CheckpointManager:
         tmp = self.comm.broadcast(str(tmp) if tmp else error and {"error": error})
         if isinstance(tmp, dict):
             raise storage.CheckpointError(f"saving step {step} failed: {tmp['error']}")
+        tmp = Path(tmp)
+        snapshot = {n: o.state_dict() for n, o in states.items() if n != name} if self.comm.is_main else {}
+        if background:
+            snapshot = _to_cpu_copy(snapshot, False)
+            staged = sharded.save_async(obj.state_dict(), tmp)  # a collective; returns after the copy
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+            self._pending = self._pool.submit(self._finish_sharded, step, name, staged, tmp, snapshot, full, rng_states, t0)
+            if self.comm.is_main:
+                log.info("checkpoint step %d: shards staged in %.3fs, writing in the background", step, time.monotonic() - t0)
+            return
         try:
-            entries = sharded.save(obj.state_dict(), Path(tmp), self.comm.rank)
+            entries = sharded.save(obj.state_dict(), tmp, self.comm.rank)
         except Exception as e:  # DCP raises on every rank when one fails; each says why
             error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
         gathered = self.comm.gather((entries, error))
@@ -445,17 +459,53 @@ class CheckpointManager:
                 errors = [e for _, e in gathered if e]
                 if errors:
                     raise storage.CheckpointError(f"saving step {step} failed: the shards: {errors[0]}")
-                if self.metrics_path.exists():
-                    fsync_path(self.metrics_path)
-                written = {k: v for part, _ in gathered for k, v in part.items()}
-                snapshot = {n: o.state_dict() for n, o in states.items() if n != name}
-                self._write(step, {**snapshot, "sharded": {name: sharded.SHARDS}}, half_weights(full), rng_states, t0,
-                            model=full, tmp=Path(tmp), written=written)
+                self._publish_sharded(step, name, tmp, {k: v for part, _ in gathered for k, v in part.items()}, snapshot,
+                                      full, rng_states, t0)
             except Exception as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._error, failed = e, True
         if self.comm.any(failed):
             self._raise_failure()
+
+    def _publish_sharded(self, step: int, name: str, tmp: Path, written: dict, snapshot: dict, full: dict,
+                         rng_states: list | None, t0: float) -> None:
+        """Rank 0: the rest of a sharded checkpoint beside its shards, then the publish."""
+        if self.metrics_path.exists():
+            fsync_path(self.metrics_path)
+        self._write(step, {**snapshot, "sharded": {name: sharded.SHARDS}}, half_weights(full, single_thread=True), rng_states, t0,
+                    model=full, tmp=tmp, written=written)
+
+    def _finish_sharded(self, step: int, name: str, staged, tmp: Path, snapshot: dict, full: dict,
+                        rng_states: list | None, t0: float, wait_s: float = 600.0) -> None:
+        """Every rank's background thread of a sharded save (see _save_sharded)."""
+        rank = self.comm.rank
+        try:
+            staged.result()
+            outcome = {"entries": sharded.hash_own(tmp, rank)}
+        except Exception as e:
+            outcome = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
+        atomic_write(tmp / f".hashes-{rank}.json", json.dumps(outcome))  # rank 0 waits for every rank's
+        if "error" in outcome and not self.comm.is_main:
+            raise storage.CheckpointError(f"saving step {step} failed: {outcome['error']}")
+        if not self.comm.is_main:
+            return
+        try:
+            written, end = {}, time.monotonic() + wait_s
+            for r in range(self.comm.world_size):
+                path = tmp / f".hashes-{r}.json"
+                while not path.exists():
+                    if time.monotonic() > end:
+                        raise storage.CheckpointError(f"saving step {step}: rank {r} wrote no shard hashes in {wait_s:g} s")
+                    time.sleep(0.02)
+                got = json.loads(path.read_text())
+                if "error" in got:
+                    raise storage.CheckpointError(f"saving step {step} failed: the shards: {got['error']}")
+                written.update(got["entries"])
+                path.unlink()
+            self._publish_sharded(step, name, tmp, written, snapshot, full, rng_states, t0)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _write(self, step: int, snapshot: dict, weights: dict | None, rng_states: list, t0: float,
                model: dict | None = None, tmp: Path | None = None, written: dict | None = None) -> None:
@@ -530,6 +580,9 @@ def _load_verified(folder: Path) -> tuple[dict, dict, bytes]:
     body, payload, data = storage.load_verified_with_bytes(folder)
     if isinstance(payload, dict) and payload.get("sharded"):
         storage.verify(folder, only=lambda name: name.startswith(f"{sharded.SHARDS}/"))
+        unlisted = sorted(p.name for p in (folder / sharded.SHARDS).iterdir() if f"{sharded.SHARDS}/{p.name}" not in body["files"])
+        if unlisted:  # DCP would read them: only what the manifest vouches for may be loaded
+            raise storage.CheckpointError(f"{folder / sharded.SHARDS}: {', '.join(unlisted)} not in the manifest")
     return body, payload, data
 
 

@@ -101,8 +101,37 @@ def save(state: dict, folder: Path, rank: int) -> dict[str, dict]:
     ({"shards/<file>": {"bytes", "sha256"}}) of the files this rank wrote."""
     import torch.distributed.checkpoint as dcp
 
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(Path(folder) / SHARDS), single_file_per_rank=True, sync_files=True))
+    return hash_own(folder, rank)
+
+
+_SIDE_GROUP = None
+
+
+def _side_group():
+    """A gloo group of every rank for DCP's collectives in the background (a background save that
+    shares the training's group can hang, measured before this was built). Made at the first
+    background save, which every rank reaches together."""
+    global _SIDE_GROUP
+    if _SIDE_GROUP is None:
+        import torch.distributed as dist
+
+        _SIDE_GROUP = dist.new_group(backend="gloo")
+    return _SIDE_GROUP
+
+
+def save_async(state: dict, folder: Path):
+    """Collective: stage `state` (a copy in CPU memory: training may go on) and start writing it with
+    DCP in a background thread, on a group of its own; returns DCP's future."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(Path(folder) / SHARDS), single_file_per_rank=True, sync_files=True)
+    return dcp.async_save(state, storage_writer=writer, process_group=_side_group())
+
+
+def hash_own(folder: Path, rank: int) -> dict[str, dict]:
+    """The manifest entries of the shard files `rank` wrote into `folder`/shards."""
     out = Path(folder) / SHARDS
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True, sync_files=True))
     mine = sorted(out.glob(f"__{rank}_*.distcp")) + ([out / ".metadata"] if rank == 0 else [])
     entries = {}
     for path in mine:

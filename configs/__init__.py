@@ -173,9 +173,6 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
-        if self.dist.strategy == "fsdp" and self.checkpoint.async_:
-            raise ConfigError("dist.strategy=fsdp with checkpoint.async=true: sharded saves are synchronous in this version "
-                              "(docs/sharding.md); set checkpoint.async=false")
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
 

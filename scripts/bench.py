@@ -793,23 +793,29 @@ def sharding_rows(work: Path, steps: int) -> list[dict]:
            "train.micro_batch=2", f"train.steps={steps}", "checkpoint.interval=4", "log.progress=false", "dist.reduce=ddp"]
     import re
 
-    for strategy in ("ddp", "fsdp"):
-        out = work / f"shard-{strategy}"
+    for strategy, mode in (("ddp", "false"), ("fsdp", "false"), ("fsdp", "true")):
+        out = work / f"shard-{strategy}-{mode}"
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                               "--config", "configs/tiny.yaml", *big, f"dist.strategy={strategy}", f"out_dir={out}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                               "--config", "configs/tiny.yaml", *big, f"dist.strategy={strategy}", f"checkpoint.async={mode}",
+                               f"out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"bench: the {strategy} run failed:\n{proc.stderr[-3000:]}")
         metrics = runfolder.read_metrics(out)
-        saves = [float(x) for x in re.findall(r"saved \S+: step \d+, ([\d.]+)s", proc.stderr)]
-        timing[strategy] = (statistics.median(m["step_s"] for m in metrics[2:]), statistics.median(saves))
+        # a sync save's stall is its whole time; an async one's, until the shards are staged (the last save of a run is sync)
+        pattern = r"shards staged in ([\d.]+)s" if mode == "true" else r"saved \S+: step \d+, ([\d.]+)s"
+        saves = [float(x) for x in re.findall(pattern, proc.stderr)]
+        timing[(strategy, mode)] = (statistics.median(m["step_s"] for m in metrics[2:]), statistics.median(saves), len(saves))
         shutil.rmtree(out, ignore_errors=True)
-    (sd, vd), (sf, vf) = timing["ddp"], timing["fsdp"]
+    (sd, vd, nd), (sf, vf, nf), (_, va, na) = timing[("ddp", "false")], timing[("fsdp", "false")], timing[("fsdp", "true")]
     rows += [
         {"row": "step time, 25M model, 2 processes (gloo, CPU)", "what": "fsdp / ddp", "value": sf / sd,
          "detail": f"{sf * 1e3:.0f} ms / {sd * 1e3:.0f} ms (median of {steps - 2} steps)"},
         {"row": "checkpoint save, 25M model, 2 processes", "what": "sharded (DCP) / ddp", "value": vf / vd,
-         "detail": f"{vf:.2f} s / {vd:.2f} s (median of {len(saves)} saves, as the run logs them)"},
+         "detail": f"{vf:.2f} s / {vd:.2f} s (medians of {nf} and {nd} saves, as the runs log them)"},
+        {"row": "stall per sharded save, 25M model, 2 processes", "what": "async stall / sync stall", "value": va / vf,
+         "aim": "async stall / sync stall",
+         "detail": f"{va:.3f} s until the shards are staged (and the full model gathered for the fp16 file) / {vf:.2f} s "
+                   f"(medians of {na} and {nf} saves)"},
     ]
     return rows
 

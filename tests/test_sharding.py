@@ -5,6 +5,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import signal
 
 import pytest
@@ -75,6 +76,18 @@ def test_a_sigkill_inside_a_sharded_save_resumes_from_the_previous_checkpoint_ex
     assert [s for s, _ in list_checkpoints(ckpts)] == [2]
     code, err = launch.in_process(*args)
     assert code == 0 and "left by an interrupted save" in err, err
+    launch.assert_same_as_reference_at(out, one, 7)
+
+
+@pytest.mark.e2e
+def test_async_sharded_saves_publish_from_the_background_and_a_resume_from_one_is_exact(fsdp, one, tmp_path):
+    out = tmp_path / "run"
+    proc = launch.run(2, *fsdp, "checkpoint.async=true", "checkpoint.interval=2", "train.halt_at=5", f"out_dir={out}")
+    assert proc.stderr.count("writing in the background") == 2  # steps 2 and 4; the halt's save is written at once
+    storage.verify(out / "checkpoints" / "step_00000004")
+    shutil.rmtree(out / "checkpoints" / "step_00000005")  # resume from the one written in the background
+    code, err = launch.in_process(*fsdp, f"out_dir={out}")
+    assert code == 0 and "loaded" in err and "step_00000004" in err, err
     launch.assert_same_as_reference_at(out, one, 7)
 
 
