@@ -158,7 +158,7 @@ MUTANTS = (
            ("tests/test_sharding.py::test_the_shards_metadata_is_unpickled_by_an_allow_list_and_code_in_it_never_runs",)),
     Mutant("async-shards-of-rank-0-only", "a background sharded save lists every rank's shards before it publishes (I19)",
            "checkpoint/manager.py", "            for r in range(self.comm.world_size):\n                path = tmp", "            for r in range(1):\n                path = tmp",
-           ("tests/test_sharding.py::test_async_sharded_saves_publish_from_the_background_and_a_resume_from_one_is_exact",)),
+           ("tests/test_sharding.py::test_a_sigkill_inside_an_async_sharded_save_resumes_exactly_from_one_written_in_the_background",)),
 )
 
 
