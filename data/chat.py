@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,11 +306,6 @@ class Packer:
             row = np.concatenate([row, np.array([[self.pad] * pad, [IGNORE] * pad, [0] * pad], dtype=np.int64)], axis=1)
         self.stats["rows"] += 1
         return row
-
-
-def segments(positions):
-    """Which conversation each position of a row belongs to: a new one wherever the position is 0."""
-    return (positions == 0).cumsum(-1)
 
 
 def marked_text(tok, ids: list[int], taught: list[bool]) -> str:

@@ -4,7 +4,6 @@ on the split, and chatting with the result."""
 import contextlib
 import io
 import json
-import re
 
 import pytest
 import torch

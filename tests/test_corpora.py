@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import launch
-from data import DataError, handoff, pack, resolve_source, sources
+from data import DataError, handoff, pack, sources
 from data import prepare
 from data.sampler import BatchPlan, BijectiveOrder, BlockDistributedSampler, make_order
 
@@ -192,9 +192,8 @@ def test_waiters_get_the_packers_outcome_and_fail_at_once_when_it_fails_or_stops
     for outcome in ({"bin": "x.bin", "meta": {}}, {"error": "c.jsonl:3: line is not valid JSON"}):
         t = threading.Thread(target=packer, args=(outcome, 1.0))
         t.start()
-        t0 = time.monotonic()
+        # the packer takes 1 s, twice stall_s: the waiter gets its outcome because the heartbeat moves
         assert handoff.wait(tmp_path / f"{outcome.get('error', 'ok')}.json", stall_s=0.5, poll_s=0.02) == outcome
-        assert time.monotonic() - t0 < 1.0 + 0.5  # it took longer than stall_s, but the heartbeat moved
         t.join()
     stuck = tmp_path / "stuck.json"
     stuck.write_text(json.dumps({"state": "packing", "beat": 7, "host": "h", "pid": 1}))

@@ -5,7 +5,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import signal
 
 import pytest
