@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,11 +33,8 @@ from checkpoint import (EXIT_STOPPED, CheckpointError, CheckpointManager, Checkp
 from checkpoint.files import atomic_write
 from checkpoint.stop import ignore_stop_signals
 from configs import Config, ConfigError, TrainConfig, describe, load_config, load_tokenizer, to_dict
-from data import handoff
-from data.chat import ChatOptions
-from data.dataset import ChatDataset
-from data import (BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, pack,
-                  resolve_source, unigram_entropy)
+from data.run import data_of_run
+from data import BatchPlan, BatchPlanError, BlockDistributedSampler, DataError, PackedDataset, SkipBatchSampler, unigram_entropy
 from model import MiniMindLM
 from model.formats import WeightsError
 
@@ -60,69 +56,6 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
     other = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
-
-
-def prepare_data(cfg: Config, rt: runtime.Runtime, tok) -> tuple[PackedDataset, PackedDataset | None, dict]:
-    """Pack the corpus (and a validation file) with tokenizer `tok` once per node (its first rank;
-    rank 0 alone with data.shared_cache), then every rank maps the same files. The others wait on
-    the packer's hand-off file, not in a collective: packing may take longer than dist.timeout_s
-    (docs/data.md). Returns the training set, the validation set (or None) and the fingerprint."""
-    cache = Path(cfg.data.cache_dir)
-    chat = None
-    if cfg.data.format == "chat":
-        chat = ChatOptions(cfg.data.loss_on, cfg.data.pack, cfg.data.drop_long, cfg.data.system_prompt_ratio, cfg.seed)
-    token = rt.broadcast(uuid.uuid4().hex[:12]) if rt.world_size > 1 else "solo"
-    packer = 0 if cfg.data.shared_cache else rt.rank - rt.local_rank
-    path = handoff.handoff_path(cache, token, packer)
-    if rt.rank == packer:
-        result = {}
-        try:
-            with handoff.Heartbeat(path) if rt.world_size > 1 else contextlib.nullcontext() as beat:
-                handoff.clear_stale(cache, path)
-                watch = beat.watch if beat else None
-                try:
-                    bin_path, meta = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache, tok,
-                                          verify=cfg.data.verify_source, watch=watch, chat=chat)
-                    result = {"bin": str(bin_path), "meta": meta}
-                    if cfg.data.val_path:
-                        val_bin, val_meta = pack(resolve_source(cfg.data.val_path, cache, "data.val_path"), cfg.model.seq_len,
-                                                 cache, tok, verify=cfg.data.verify_source, watch=watch, chat=chat)
-                        result.update(val_bin=str(val_bin), val_meta=val_meta)
-                except DataError as e:
-                    result = {"error": str(e)}
-                except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
-                    result = {"error": f"{e.filename or cfg.data.cache_dir}: {e.strerror or e}", "io": True}
-                if beat:
-                    beat.finish(result)
-        except OSError as e:  # the hand-off file itself
-            result = {"error": f"{e.filename or cfg.data.cache_dir}: {e.strerror or e}", "io": True}
-    else:
-        result = handoff.wait(path, cfg.dist.timeout_s, talk=rt.rank == packer + 1)
-    # Everyone has the outcome by now: this collective does not wait for packing. It fails every rank together.
-    results = rt.all_gather(result)
-    if rt.rank == packer:
-        path.unlink(missing_ok=True)
-    failed = [r for r in results if "error" in r]
-    if failed:
-        raise (OSError if failed[0].get("io") else DataError)(failed[0]["error"])
-    mine = result
-    held_out, dtype = cfg.data.val_samples, mine["meta"]["dtype"]
-    kind = ChatDataset if chat else PackedDataset
-    corpus = kind(Path(mine["bin"]), cfg.model.seq_len, cfg.data.num_samples, dtype=dtype)
-    if held_out >= len(corpus):
-        raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {cfg.model.seq_len + 1} tokens")
-    dataset = kind(Path(mine["bin"]), cfg.model.seq_len, len(corpus) - held_out, dtype=dtype)
-    val = None
-    if held_out:  # the tail: the same samples on every world size, never in a training batch
-        val = kind(Path(mine["bin"]), cfg.model.seq_len, len(corpus), start=len(corpus) - held_out, dtype=dtype)
-    elif cfg.data.val_path:
-        val = kind(Path(mine["val_bin"]), cfg.model.seq_len, dtype=dtype)
-    # What identifies the corpus, without when each file was last checked (data/prepare.py).
-    fingerprint = {**{k: v for k, v in mine["meta"].items() if k != "sources"}, "num_samples": len(dataset),
-                   "val_samples": len(val) if val else 0,
-                   **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.data.val_path else {}),
-                   **({"order": cfg.data.order} if cfg.data.order != "randperm" else {})}  # absent: randperm, as before the option
-    return dataset, val, fingerprint
 
 
 @torch.no_grad()
@@ -254,7 +187,7 @@ class Run:
 
 def build(cfg: Config, rt: runtime.Runtime) -> Run:
     tok = load_tokenizer(cfg)
-    dataset, val_dataset, fingerprint = prepare_data(cfg, rt, tok)
+    dataset, val_dataset, fingerprint = data_of_run(cfg.data, cfg.model.seq_len, cfg.seed, cfg.dist.timeout_s, rt, tok)
     plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
     spe = plan.steps_per_epoch(len(dataset))
     if spe == 0:
