@@ -1,12 +1,13 @@
-"""Checkpoints: atomic publish, manifest and hashes, safe load (storage.py), the manager (manager.py),
-the run folder's layout, lock and status (runfolder.py), the stop protocol (stop.py), per-rank RNG
-state (rng.py). A leaf: it imports nothing of this repository outside itself (__main__.py aside)."""
+"""Checkpoints: saving, loading, verifying and the format. One format for every strategy (DCP,
+format.py), atomic publishing, the manifest, verification and discovery (storage.py), the manager
+behind the loop's two calls (manager.py), the states of a module, an optimizer and the generators
+(states.py). It imports nothing of this repository but the shared room (common/)."""
 from .config import CheckpointConfig
-from .manager import CheckpointManager, Collectives, Resumed, RunMeta, new_run_id
-from .stop import EXIT_STOPPED, StopFlag
+from .manager import CheckpointManager, Collectives, Resumed, RunMeta, half_weights, new_run_id
+from .states import ModelState, OptimizerState
 from .storage import CheckpointError, CheckpointMismatch, find_checkpoint, model_sha256, safe_load, verify
 
 __all__ = [
-    "EXIT_STOPPED", "CheckpointConfig", "CheckpointError", "CheckpointManager", "CheckpointMismatch", "Collectives",
-    "Resumed", "RunMeta", "StopFlag", "find_checkpoint", "model_sha256", "new_run_id", "safe_load", "verify",
+    "CheckpointConfig", "CheckpointError", "CheckpointManager", "CheckpointMismatch", "Collectives", "ModelState",
+    "OptimizerState", "Resumed", "RunMeta", "find_checkpoint", "half_weights", "model_sha256", "new_run_id", "safe_load", "verify",
 ]

@@ -1,11 +1,13 @@
-"""Atomic publishing, manifests, verification and safe loading of checkpoint folders.
+"""Checkpoint folders on disk: atomic publishing, the manifest, verification, discovery and pruning.
 
-A checkpoint is the folder `checkpoints/step_XXXXXXXX/` holding the resume file, the fp16 weights
-file and `manifest.json`. It is built under a temporary dot-name, every file fsynced, the manifest
-(size and sha256 of every file) written last, then `os.replace`d to its final name and the parent
-fsynced (docs/design.md I8). Discovery only looks at `step_*` names and only trusts a folder whose
-manifest parses and whose files match it, so a save killed at any moment leaves either the
-complete new checkpoint or nothing that is ever loaded.
+A checkpoint is the folder `checkpoints/step_XXXXXXXX/`: the run's states in `state/` (DCP's files,
+checkpoint/format.py), the fp16 weights for inference, the run's tokenizer files and
+`manifest.json`, which lists every file with its size and sha256 and says what the run is. It is
+built under a temporary dot-name, every file fsynced, the manifest written last, then `os.replace`d
+to its final name and the parent fsynced (docs/design.md I8). Discovery only looks at `step_*` names
+and only trusts a folder whose manifest parses, lists only files this trainer writes, and whose
+files are all there, each of the listed size; a file is used only once its sha256 matches. A save
+killed at any moment leaves either the complete new checkpoint or nothing that is ever loaded.
 """
 from __future__ import annotations
 
@@ -25,35 +27,44 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
-from .files import fsync_path
-from .runfolder import CHECKPOINTS
+from common.files import fsync_path
+from common.outcome import BadInput, Failed
 
-RESUME_FILE = "resume.pth"
+from .format import METADATA, STATE
+
+CHECKPOINTS = "checkpoints"
+"""The run folder's sub-folder of step folders (run/folder.py names the rest of the run folder)."""
 WEIGHTS_FILE = "weights_fp16.pth"
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A run's tokenizer files, copied as they are into each checkpoint when the run has them."""
-FILES = frozenset({RESUME_FILE, WEIGHTS_FILE, *TOKENIZER_FILES})
-"""The only names a manifest may list: a manifest never decides which files are opened."""
-SHARD_NAME = re.compile(r"^shards/(__\d{1,6}_\d{1,6}\.distcp|\.metadata)$")
-"""...besides DCP's files of a sharded checkpoint, in its shards/ folder (checkpoint/sharded.py)."""
-FORMAT = 1
+FILES = frozenset({WEIGHTS_FILE, *TOKENIZER_FILES})
+"""The only plain names a manifest may list: a manifest never decides which files are opened."""
+STATE_NAME = re.compile(rf"^{STATE}/(__\d{{1,6}}_\d{{1,6}}\.distcp|\{METADATA})$")
+"""...besides DCP's files in state/ (checkpoint/format.py)."""
+FORMAT = 2
+"""Of the manifest: 2 holds every state in state/ (DCP); 1 was the layout of a resume.pth file."""
+CONVERT = "python -m checkpoint convert"
 log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
-_TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 MOVED_ASIDE = "moved_aside"
 """checkpoints/moved_aside/: step folders this trainer would otherwise have deleted (one that does not
 verify, found where a new checkpoint of its step goes), kept whole under their name and the time."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Failed):
     """A checkpoint that cannot be used; the message names the folder or file and what failed."""
 
 
-class CheckpointMismatch(CheckpointError):
+class CheckpointMismatch(CheckpointError, BadInput):
     """The checkpoints are sound but this run's settings do not fit them (another model, corpus,
     seed or global batch; resume=never over existing checkpoints): bad input, exit 2 not 1."""
+
+
+class OldLayout(CheckpointError):
+    """A checkpoint of the earlier layout (manifest format 1): `python -m checkpoint convert` turns it into this one."""
 
 
 _OVERLAP = 1 << 20  # buffers from this size on are hashed in a second thread while they are written
@@ -118,8 +129,8 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
-    """Write one file of a checkpoint, hashing it on the way. Its fsync is started in a helper
+def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
+    """Write one file of a checkpoint (raw bytes, or an object through torch.save), hashing it on the way. Its fsync is started in a helper
     thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
     done here when `fsyncs` is None."""
     w = None
@@ -139,9 +150,9 @@ def _write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dic
             f.close()
             raise
         if fsyncs is None:
-            _fsync_close(f)
+            fsync_close(f)
         else:
-            fsyncs.append(_helper.submit(_fsync_close, f))
+            fsyncs.append(_helper.submit(fsync_close, f))
     except Exception as e:
         if w is not None and w.error is not None and w.error is not e:
             real = w.error
@@ -152,7 +163,7 @@ def _write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dic
     return {"bytes": w.size, "sha256": w.sha.hexdigest()}
 
 
-def _fsync_close(f) -> None:
+def fsync_close(f) -> None:
     try:
         os.fsync(f.fileno())
     except OSError as e:  # e.g. a full disk that only shows at writeback
@@ -165,7 +176,7 @@ def new_temporary(root: Path, step: int) -> Path:
     """A fresh temporary folder for checkpoint `step` (discovery never takes it for a checkpoint;
     clear_temporaries removes it when a save dies)."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{_TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
 
@@ -175,8 +186,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
     """Write `files` (name -> object for torch.save, or raw bytes) as checkpoint `step` under `root`.
     A `manifest` value may be a Future (a hash computed while the files are written): it is awaited
     once the files are on disk, before the manifest is written. `tmp` and `written`: a temporary
-    folder (new_temporary) that already holds files other processes wrote and fsynced (a sharded
-    checkpoint's shards), with their manifest entries; they are listed with the rest.
+    folder (new_temporary) that already holds files written and fsynced by every rank (the states,
+    checkpoint/format.py), with their manifest entries; they are listed with the rest.
 
     On any failure the temporary folder is removed, nothing new is visible, and the error (with the
     path and the cause) propagates.
@@ -187,17 +198,17 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
         tmp = tmp or new_temporary(root, step)
         entries, fsyncs = dict(written or {}), []
         for sub in {Path(name).parent for name in entries} - {Path(".")}:
-            fsync_path(tmp / sub)  # the shards' names are durable in their folder
+            fsync_path(tmp / sub)  # the state files' names are durable in their folder
         try:
             for name, obj in files.items():
                 # a file's fsync runs while the next one is written
-                entries[name] = _write_file(tmp / name, obj, fsyncs)
+                entries[name] = write_file(tmp / name, obj, fsyncs)
         finally:
             for done in fsyncs:
                 done.result()  # every file is on disk before the manifest vouches for it
         manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}
         body = {"format": FORMAT, **manifest, "step": step, "files": entries}
-        _write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+        write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         fsync_path(tmp)
         if final.exists() or final.is_symlink():
             # A folder of this step exists (a rerun of the step after a resume from an older one).
@@ -232,7 +243,7 @@ def _take_out_of_the_way(root: Path, final: Path) -> tuple[Path, str | None]:
     try:
         if final.is_symlink():
             raise CheckpointError(f"{final}: a symbolic link")
-        verify(final)
+        verify(final, foreign_ok=True)  # its own files verify: retire them; what else is there is set aside
     except CheckpointError as e:
         return set_aside(root, final, final.name), str(e)
     trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
@@ -259,9 +270,9 @@ def retire(folder: Path) -> list[str]:
     (folder / MANIFEST).unlink()
     for name in body["files"]:
         (folder / name).unlink(missing_ok=True)
-    shards = folder / "shards"
-    if shards.is_dir() and not shards.is_symlink() and not any(shards.iterdir()):
-        shards.rmdir()
+    state = folder / STATE
+    if state.is_dir() and not state.is_symlink() and not any(state.iterdir()):
+        state.rmdir()
     left = sorted(p.name for p in folder.iterdir())
     if not left:
         folder.rmdir()
@@ -343,7 +354,7 @@ def clear_temporaries(root: Path) -> list[Path]:
     removed = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
+            if p.name.startswith(TMP_PREFIX):
                 _remove(p)
                 removed.append(p)
             elif p.name.startswith(_TRASH_PREFIX):
@@ -402,27 +413,31 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: does not parse ({e})") from None
     if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or not isinstance(body.get("step"), int):
         raise CheckpointError(f"{path}: not a checkpoint manifest (no 'files' mapping or integer 'step')")
+    if body.get("format") == 1:
+        raise OldLayout(f"{folder}: written in the earlier layout (a resume.pth file, manifest format 1), which this trainer "
+                        f"no longer loads; convert it once, in place (nothing is deleted): {CONVERT} {folder.parent.parent}")
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads format {FORMAT}")
     for name, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
-        if name not in FILES and not SHARD_NAME.match(name):
+        if name not in FILES and not STATE_NAME.match(name):
             raise CheckpointError(f"{path}: lists {name!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))}"
-                                  f" or shards/__<rank>_<n>.distcp and shards/.metadata)")
+                                  f" or {STATE}/__<rank>_<n>.distcp and {STATE}/{METADATA})")
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
             raise CheckpointError(f"{path}: the entry for {name} is not {{'bytes': int, 'sha256': str}}")
-    if RESUME_FILE not in body["files"]:
-        raise CheckpointError(f"{path}: does not list {RESUME_FILE}")
+    if f"{STATE}/{METADATA}" not in body["files"]:
+        raise CheckpointError(f"{path}: does not list {STATE}/{METADATA}")
     m = _NAME.match(folder.name)
     if m and int(m.group(1)) != body["step"]:
         raise CheckpointError(f"{path}: says step {body['step']}, but the folder is {folder.name}")
     return body
 
 
-def verify(folder: Path, only=None) -> dict:
+def verify(folder: Path, only=None, foreign_ok: bool = False) -> dict:
     """The manifest of `folder` after checking every file's size and sha256 against it (of the
-    files for which `only(name)` is true, when given)."""
-    body = _listed_files_present(folder)
+    files for which `only(name)` is true, when given). `foreign_ok`: files the manifest does not
+    list may be there too (a folder about to be retired keeps them; nothing loads from it)."""
+    body = listed_files_present(folder, foreign_ok)
     for name, entry in body["files"].items():
         if only is not None and not only(name):
             continue
@@ -434,13 +449,31 @@ def verify(folder: Path, only=None) -> dict:
     return body
 
 
-def _listed_files_present(folder: Path) -> dict:
-    """The manifest of `folder` (not a link), once every file it lists is there with its size."""
+def listed_files_present(folder: Path, foreign_ok: bool = False) -> dict:
+    """The manifest of `folder` (not a link), once every file it lists is there with its size and
+    (unless `foreign_ok`) nothing else is in the folder or its state/."""
     if folder.is_symlink():
         raise CheckpointError(f"{folder}: a symbolic link; checkpoints are never followed through links")
     body = read_manifest(folder)
     check_files(folder, body)
+    if not foreign_ok:
+        check_foreign(folder, body)
     return body
+
+
+def check_foreign(folder: Path, body: dict) -> None:
+    """Nothing in the step folder or its state/ that the manifest does not list: DCP would read any
+    file of state/, and a folder someone added to is not the folder that was published."""
+    listed = set(body["files"]) | {MANIFEST, STATE}
+    found = [p.name for p in folder.iterdir() if p.name not in listed]
+    state = folder / STATE
+    if state.is_dir() and not state.is_symlink():
+        found += [f"{STATE}/{p.name}" for p in state.iterdir() if f"{STATE}/{p.name}" not in body["files"]]
+    elif state.exists():
+        found.append(STATE)
+    if found:
+        raise CheckpointError(f"{folder}: holds {', '.join(sorted(found))}, not in its manifest; only the files a manifest lists "
+                              f"may be in a checkpoint (move them out to use it)")
 
 
 def _check_sha(path: Path, sha: str, entry: dict) -> None:
@@ -459,63 +492,41 @@ def check_files(folder: Path, body: dict) -> None:
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
 
 
-def load_verified(folder: Path, name: str = RESUME_FILE, map_location: Any = "cpu") -> tuple[dict, Any]:
-    """(manifest, the object in `folder/name`), reading that file once: its bytes are hashed and
-    deserialized from the same buffer (in two threads at once), and the object is returned only if
-    their sha256 is the manifest's. A file that changes after the check cannot be loaded unverified,
-    because nothing is read from disk a second time. The other files' presence and sizes are checked."""
-    body, obj, _ = load_verified_with_bytes(folder, name, map_location)
-    return body, obj
+def read_verified(folder: Path, name: str, body: dict | None = None) -> bytes:
+    """The bytes of `folder/name`, read once and returned only if their size and sha256 are the manifest's."""
+    from .format import FormatError, verified_bytes
 
-
-def load_verified_with_bytes(folder: Path, name: str = RESUME_FILE, map_location: Any = "cpu") -> tuple[dict, Any, bytes]:
-    """`load_verified`, and the verified bytes themselves (for other processes to deserialize
-    without reading the file again)."""
-    body, path, entry, data = _read_listed(folder, name)
-    digest = _helper.submit(lambda: hashlib.sha256(data).hexdigest())
+    body = body or listed_files_present(folder)
     try:
-        obj, error = deserialize(data, path, map_location), None
-    except CheckpointError as e:
-        obj, error = None, e
-    _check_sha(path, digest.result(), entry)  # first: a damaged file is "corrupted", whatever it unpickles to
-    if error is not None:
-        raise error
-    return body, obj, data
+        return verified_bytes(folder, name, body["files"])
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def read_verified(folder: Path, name: str) -> bytes:
-    """The bytes of `folder/name`, read once and returned only if their sha256 is the manifest's."""
-    _, path, entry, data = _read_listed(folder, name)
-    _check_sha(path, hashlib.sha256(data).hexdigest(), entry)
-    return data
+def read_metadata(folder: Path, body: dict):
+    """DCP's metadata of a checkpoint folder, its bytes verified, unpickled through the allow-list."""
+    from . import format
 
-
-def _read_listed(folder: Path, name: str) -> tuple[dict, Path, dict, bytes]:
-    """(manifest, path, its manifest entry, its bytes) of a file the manifest lists, read once, of
-    the listed size; the other listed files' presence and sizes are checked."""
-    body = _listed_files_present(folder)
-    if name not in body["files"]:
-        raise CheckpointError(f"{folder / MANIFEST}: does not list {name}")
-    path, entry = folder / name, body["files"][name]
+    name = f"{STATE}/{METADATA}"
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-    if len(data) != entry["bytes"]:
-        raise CheckpointError(f"{path}: {len(data)} bytes read, the manifest says {entry['bytes']} (changed while read)")
-    return body, path, entry, data
+        return format.read_metadata(read_verified(folder, name, body), folder / name)
+    except format.FormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def deserialize(data: bytes, path: Path, map_location: Any) -> Any:
-    import io as bytes_io  # the standard library's; this module is not called io
+def read_tensors(folder: Path, body: dict, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` ("model.": the fp32 weights) of a checkpoint folder whose manifest
+    is `body`, whole, on one process: each file read once, used only if its sha256 is the manifest's."""
+    from . import format
 
+    metadata = read_metadata(folder, body)
     try:
-        return torch.load(bytes_io.BytesIO(data), map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise _refusal(path, e) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+        return format.read_tensors(folder, body["files"], metadata, prefix)
+    except format.errors() as e:  # DCP wraps what the reader raised
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
+        raise CheckpointError(str(cause) if isinstance(cause, (format.FormatError, CheckpointError)) else
+                              f"{folder}: the states cannot be read ({type(cause).__name__}: {cause})") from None
 
 
 def _refusal(path: Path, e: Exception) -> CheckpointError:
@@ -538,6 +549,18 @@ def safe_load(path: Path, map_location: Any = "cpu") -> Any:
         raise _refusal(path, e) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def safe_load_bytes(data: bytes, path: Path, map_location: Any = "cpu") -> Any:
+    """`safe_load` of bytes already read (and hashed) from `path`: nothing is read twice."""
+    import io
+
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refusal(path, e) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from common.outcome import BadInput
+
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
 from data.prepare import VERIFY
@@ -22,8 +24,8 @@ from model.config import ModelConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(BadInput, ValueError):
+    """A config key with a value it cannot have; the message names the file or the command line and the key."""
 
 
 def _positive(key: str, value: float, zero_ok: bool = False) -> None:
@@ -115,6 +117,12 @@ class DataConfig:
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
         choice("data.verify_source", self.verify_source, VERIFY)
+        for parent in (Path(self.cache_dir), *Path(self.cache_dir).parents):
+            if parent.exists() or parent.is_symlink():
+                if not parent.is_dir():
+                    raise ConfigError(f"data.cache_dir: {self.cache_dir} cannot be a folder: {parent} is a file "
+                                      f"(expected a folder, or a path where one can be made)")
+                break
         if self.val_path and self.val_samples:
             raise ConfigError("data.val_path and data.val_samples: give one validation set, not both")
 

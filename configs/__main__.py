@@ -8,30 +8,32 @@ import sys
 
 import yaml
 
+from common.outcome import command
+
 from . import ConfigError, load_config, to_dict
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m configs", description=__doc__)
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--get", metavar="KEY", help="print one dotted key, e.g. out_dir or train.steps")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    try:
-        tree = to_dict(load_config(args.config, args.overrides))
-        if args.get:
-            node = tree
-            for part in args.get.split("."):
-                if not isinstance(node, dict) or part not in node:
-                    raise ConfigError(f"--get {args.get}: no such key")
-                node = node[part]
-            print(node)
-        else:
-            print(yaml.safe_dump(tree, sort_keys=False), end="")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    tree = to_dict(load_config(args.config, args.overrides))
+    if args.get:
+        node = tree
+        for part in args.get.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"--get {args.get}: no such key")
+            node = node[part]
+        print(node)
+    else:
+        print(yaml.safe_dump(tree, sort_keys=False), end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command(_main, argv)
 
 
 if __name__ == "__main__":

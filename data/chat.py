@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.rng import derive_seed
+from common.seeds import derive_seed
 
 from .sources import DataError, check_text, parse_json
 
@@ -374,10 +374,9 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
     return stats, np.asarray(taught_per_row, dtype=np.uint32)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     """`python -m data.chat inspect --tokenizer PATH FILE.jsonl [--n N] [--text]`."""
     import argparse
-    import sys
 
     from . import tokenizer as tokenizers
     from .sources import Corpus, Reader
@@ -393,29 +392,26 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--system-prompt-ratio", type=float, default=0.0, help="as data.system_prompt_ratio (with --seed)")
     ins.add_argument("--seed", type=int, default=1337, help="the run's seed, for --system-prompt-ratio (default %(default)s)")
     args = parser.parse_args(argv)
-    try:
-        tok = tokenizers.load(args.tokenizer)
-        opts = ChatOptions(loss_on=args.loss_on, system_prompt_ratio=args.system_prompt_ratio, seed=args.seed)
-        enc = Encoder(tok, template_of(tok), opts)
-        if not args.file.is_file():
-            raise DataError(f"{args.file}: no such file (expected a JSONL file of {{\"conversations\": [...]}} lines)")
-        for index, ((messages, tools), _) in enumerate(Reader(Corpus.of_file(args.file), parse=parse_conversation)):
-            if args.n and index >= args.n:
-                break
-            ids, taught = enc.encode(with_system_prompt(messages, index, opts), tools)
-            if args.text:
-                print(marked_text(tok, ids, taught))
-            else:
-                print(json.dumps({"input_ids": ids, "labels": labels_of(ids, taught)}))
-    except (DataError, tokenizers.TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or args.file}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `| head`
-        return 0
+    tok = tokenizers.load(args.tokenizer)
+    opts = ChatOptions(loss_on=args.loss_on, system_prompt_ratio=args.system_prompt_ratio, seed=args.seed)
+    enc = Encoder(tok, template_of(tok), opts)
+    if not args.file.is_file():
+        raise DataError(f"{args.file}: no such file (expected a JSONL file of {{\"conversations\": [...]}} lines)")
+    for index, ((messages, tools), _) in enumerate(Reader(Corpus.of_file(args.file), parse=parse_conversation)):
+        if args.n and index >= args.n:
+            break
+        ids, taught = enc.encode(with_system_prompt(messages, index, opts), tools)
+        if args.text:
+            print(marked_text(tok, ids, taught))
+        else:
+            print(json.dumps({"input_ids": ids, "labels": labels_of(ids, taught)}))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.outcome import command
+
+    return command(_main, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.files import atomic_file, atomic_write, tmp_prefix
+from common.files import atomic_file, atomic_write, tmp_prefix
 
 from . import sources, tokenizer
 from .sources import Corpus, DataError, sha256_file, stat_identity
@@ -196,7 +196,7 @@ def _read_ahead(batches, depth: int = 2):
 
 class _Progress:
     """Packing progress with MB/s: a tqdm bar on a terminal, else a log line every `every_s` seconds.
-    `watch(done, total)`, when given, sees every update (the trainer's hand-off file, data/handoff.py)."""
+    `watch(done, total)`, when given, sees every update (the packer's heartbeat on the launch's board, data/run.py)."""
 
     def __init__(self, label: str, total: int, every_s: float = 5.0, watch=None) -> None:
         self.label, self.total, self.every_s, self.watch = label, total, every_s, watch
@@ -443,7 +443,7 @@ def unigram_entropy(bin_path: Path, num_tokens: int | None = None, dtype: str = 
     return _entropy(np.bincount(tokens[:num_tokens]))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     """`python -m data.prepare CORPUS... --tokenizer PATH --seq-len N --cache-dir DIR`: pack ahead of a run."""
     import argparse
 
@@ -466,36 +466,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.seq_len <= 0:
-        print(f"error: --seq-len {args.seq_len}: expected a positive number of tokens", file=sys.stderr)
-        return 2
-    try:
-        tok = tokenizer.load(args.tokenizer)
-        chat = None
-        if args.format == "chat":
-            from .chat import ChatOptions
+        raise DataError(f"--seq-len {args.seq_len}: expected a positive number of tokens")
+    tok = tokenizer.load(args.tokenizer)
+    chat = None
+    if args.format == "chat":
+        from .chat import ChatOptions
 
-            chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed)
-        for spec in args.corpora:
-            t0 = time.monotonic()
-            corpus = resolve_source(spec, args.cache_dir)
-            stem = cache_stem(corpus, args.seq_len, tok, chat_options(tok, chat)[0])
-            before = [p.stat().st_mtime_ns for p in args.cache_dir.glob(f"{stem}.json")]
-            bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source, chat=chat)
-            seconds = time.monotonic() - t0
-            mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
-            done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
-            counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "rows",
-                                                                 "tokens", "taught", "truncated", "dropped_long", "untaught")})
-            rows = f"rows of {args.seq_len} positions" if chat else f"samples of {args.seq_len + 1} tokens"
-            print(f"{spec}: {len(meta['sources'])} file(s), {counts} ({rows}) -> {bin_path}; "
-                  f"{mb:.1f} MB in {seconds:.1f} s ({done})")
-    except (DataError, tokenizer.TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or args.cache_dir}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed)
+    for spec in args.corpora:
+        t0 = time.monotonic()
+        corpus = resolve_source(spec, args.cache_dir)
+        stem = cache_stem(corpus, args.seq_len, tok, chat_options(tok, chat)[0])
+        before = [p.stat().st_mtime_ns for p in args.cache_dir.glob(f"{stem}.json")]
+        bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source, chat=chat)
+        seconds = time.monotonic() - t0
+        mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
+        done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
+        counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "rows",
+                                                             "tokens", "taught", "truncated", "dropped_long", "untaught")})
+        rows = f"rows of {args.seq_len} positions" if chat else f"samples of {args.seq_len + 1} tokens"
+        print(f"{spec}: {len(meta['sources'])} file(s), {counts} ({rows}) -> {bin_path}; "
+              f"{mb:.1f} MB in {seconds:.1f} s ({done})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.outcome import command
+
+    return command(_main, argv)
 
 
 if __name__ == "__main__":

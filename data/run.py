@@ -3,63 +3,73 @@ training and validation sets, and its fingerprint (docs/data.md; docs/design.md 
 train.py with the run's data config and runtime; nothing here imports either."""
 from __future__ import annotations
 
-import contextlib
-import uuid
+import logging
 from pathlib import Path
 
-from . import handoff
+from common.outcome import RankFailed
+from runtime.board import Heartbeat, wait_for
+
 from .chat import ChatOptions
 from .dataset import ChatDataset, PackedDataset
 from .prepare import pack, resolve_source
 from .sources import DataError
 
+log = logging.getLogger("minimind")
+
+
+def _pack(cfg, seq_len: int, tok, chat, watch) -> dict:
+    """The packer's work: the corpus (and the validation file) packed, as an outcome every rank can
+    read: {"bin", "meta", ...}, or {"error", "outcome"} whatever went wrong (bad data: bad_input; an
+    I/O error, a tokenizer's own exception, a bug: failed)."""
+    cache = Path(cfg.cache_dir)
+    try:
+        bin_path, meta = pack(resolve_source(cfg.path, cache), seq_len, cache, tok, verify=cfg.verify_source, watch=watch, chat=chat)
+        outcome = {"bin": str(bin_path), "meta": meta}
+        if cfg.val_path:
+            val_bin, val_meta = pack(resolve_source(cfg.val_path, cache, "data.val_path"), seq_len, cache, tok,
+                                     verify=cfg.verify_source, watch=watch, chat=chat)
+            outcome.update(val_bin=str(val_bin), val_meta=val_meta)
+        return outcome
+    except DataError as e:
+        return {"error": str(e), "outcome": "bad_input"}
+    except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
+        return {"error": f"{e.filename or cfg.cache_dir}: {e.strerror or e}", "outcome": "failed"}
+    except Exception as e:  # noqa: BLE001 - a tokenizer's own exception, a bug: every rank fails with it, named
+        log.error("packing %s failed", cfg.path, exc_info=True)
+        return {"error": f"packing {cfg.path}: {type(e).__name__}: {e}", "outcome": "failed"}
+
 
 def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tuple[PackedDataset, PackedDataset | None, dict]:
     """Pack the corpus (and a validation file) that `cfg` (the run's data config) names with tokenizer
     `tok` once per node (its first rank; rank 0 alone with data.shared_cache), then every rank maps the
-    same files. The others wait on the packer's hand-off file, not in a collective: packing may take
-    longer than `timeout_s` (dist.timeout_s; docs/data.md). `rt` is the run's runtime (rank,
-    local_rank, world_size, broadcast, all_gather). Returns the training set, the validation set (or
-    None) and the fingerprint."""
-    cache = Path(cfg.cache_dir)
-    chat = None
-    if cfg.format == "chat":
-        chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed)
-    token = rt.broadcast(uuid.uuid4().hex[:12]) if rt.world_size > 1 else "solo"
+    same files. Every rank waits for every packer's outcome on the launch's board, not in a collective:
+    a pack may take longer than `timeout_s` (dist.timeout_s) as long as the packer's heartbeat moves,
+    on a node whose cache is cold beside one whose cache is warm (docs/data.md). A packer's failure of
+    any kind fails every rank with the same RankFailed, naming it. `rt` is the run's runtime (rank,
+    local_rank, world_size, all_gather, board). Returns the training set, the validation set (or None)
+    and the fingerprint."""
+    chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed) if cfg.format == "chat" else None
     packer = 0 if cfg.shared_cache else rt.rank - rt.local_rank
-    path = handoff.handoff_path(cache, token, packer)
-    if rt.rank == packer:
-        result = {}
-        try:
-            with handoff.Heartbeat(path) if rt.world_size > 1 else contextlib.nullcontext() as beat:
-                handoff.clear_stale(cache, path)
-                watch = beat.watch if beat else None
-                try:
-                    bin_path, meta = pack(resolve_source(cfg.path, cache), seq_len, cache, tok,
-                                          verify=cfg.verify_source, watch=watch, chat=chat)
-                    result = {"bin": str(bin_path), "meta": meta}
-                    if cfg.val_path:
-                        val_bin, val_meta = pack(resolve_source(cfg.val_path, cache, "data.val_path"), seq_len,
-                                                 cache, tok, verify=cfg.verify_source, watch=watch, chat=chat)
-                        result.update(val_bin=str(val_bin), val_meta=val_meta)
-                except DataError as e:
-                    result = {"error": str(e)}
-                except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
-                    result = {"error": f"{e.filename or cfg.cache_dir}: {e.strerror or e}", "io": True}
-                if beat:
-                    beat.finish(result)
-        except OSError as e:  # the hand-off file itself
-            result = {"error": f"{e.filename or cfg.cache_dir}: {e.strerror or e}", "io": True}
+    if rt.world_size == 1:
+        outcomes = {0: _pack(cfg, seq_len, tok, chat, None)}
     else:
-        result = handoff.wait(path, timeout_s, talk=rt.rank == packer + 1)
-    # Everyone has the outcome by now: this collective does not wait for packing. It fails every rank together.
-    results = rt.all_gather(result)
-    if rt.rank == packer:
-        path.unlink(missing_ok=True)
-    failed = [r for r in results if "error" in r]
-    if failed:
-        raise (OSError if failed[0].get("io") else DataError)(failed[0]["error"])
-    mine = result
+        packers = sorted(set(rt.all_gather(packer)))  # before anyone packs: a collective that waits for nobody
+        key = "pack/{}".format
+        if rt.rank == packer:
+            with Heartbeat(rt.board, key(packer)) as beat:
+                try:
+                    outcome = _pack(cfg, seq_len, tok, chat, beat.progress)
+                except BaseException:  # a stop signal: the waiters end too, the signal's outcome is this rank's
+                    beat.finish({"error": f"the packer (rank {rt.rank}) was stopped", "outcome": "failed"})
+                    raise
+                beat.finish(outcome)
+        outcomes = {}
+        for r in sorted(packers, key=lambda r: r != packer):  # this node's packer first
+            outcomes[r] = wait_for(rt.board, key(r), timeout_s, f"the packer (rank {r})", rt.rank, talk=rt.rank == packer + 1)
+    for r, outcome in outcomes.items():
+        if "error" in outcome:
+            raise RankFailed(r, outcome["outcome"], outcome["error"], "packing")
+    mine = outcomes[packer]
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
     kind = ChatDataset if chat else PackedDataset
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)

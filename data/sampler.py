@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from common.outcome import BadInput
+
 ORDERS = ("randperm", "bijective")
 
 
-class BatchPlanError(ValueError):
+class BatchPlanError(BadInput, ValueError):
     pass
 
 

@@ -22,11 +22,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.outcome import BadInput
+
 SUFFIXES = (".jsonl", ".jsonl.gz")
 """What a directory or a glob may hold: JSONL, plain or gzip-compressed."""
 
 
-class DataError(ValueError):
+class DataError(BadInput, ValueError):
     """Bad corpus input; the message names the file (and line) at fault."""
 
 

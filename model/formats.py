@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from common.outcome import BadInput
+
 from .config import ModelConfig
 
 # ours (per layer, after "layers.N.") -> Llama / MiniMind (after "model.layers.N.")
@@ -34,7 +36,7 @@ _BACK_LAYER = {v: k for k, v in _LAYER.items()}
 _BACK_TOP = {v: k for k, v in _TOP.items()}
 
 
-class WeightsError(ValueError):
+class WeightsError(BadInput, ValueError):
     """Weights that do not fit the model; the message lists every missing, unexpected and misshapen key."""
 
 

@@ -1,14 +1,16 @@
-"""Distributed set-up (setup.py), the torch 2.13 restart-store workaround (elastic.py), logging
-(logs.py), the two gradient reductions (reduce.py), FSDP2 sharding and its reductions (sharding.py)
-and derived seeds (seeding.py)."""
+"""How this process takes part in the run: distributed set-up and its collectives (setup.py), the
+launch's board on the c10d store (board.py), torch 2.13's restart-store workaround (elastic.py),
+logging (logs.py), the gradient reductions (reduce.py) and FSDP2 sharding with its reductions
+(sharding.py)."""
+from . import sharding
+from .board import Board, Heartbeat, Stalled, wait_for
 from .elastic import agree_on_attempt, attempt_store
 from .logs import setup_logging
-from . import sharding
-from .reduce import CanonicalReduce, DDPReduce
-from .seeding import derive_seed, seed_all
+from .reduce import CanonicalReduce, DDPReduce, make_reducer
 from .setup import DTYPES, DistConfig, Runtime, RuntimeConfig, SetupError, autocast, default_threads, setup, teardown
 
 __all__ = [
-    "CanonicalReduce", "DDPReduce", "DistConfig", "Runtime", "RuntimeConfig", "SetupError", "agree_on_attempt",
-    "attempt_store", "default_threads", "derive_seed", "seed_all", "setup", "setup_logging", "sharding", "teardown",
+    "Board", "CanonicalReduce", "DDPReduce", "DTYPES", "DistConfig", "Heartbeat", "Runtime", "RuntimeConfig", "SetupError",
+    "Stalled", "agree_on_attempt", "attempt_store", "autocast", "default_threads", "make_reducer", "setup", "setup_logging",
+    "sharding", "teardown", "wait_for",
 ]

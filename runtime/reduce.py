@@ -100,3 +100,13 @@ class CanonicalReduce:
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def make_reducer(strategy: str, reduce: str, model: torch.nn.Module, rt: Runtime, accum: int):
+    """The gradient reduction of dist.strategy and dist.reduce around `model` (made after the load,
+    so that every rank starts from the weights it loaded)."""
+    if strategy == "fsdp":
+        from .sharding import FSDPCanonicalReduce, FSDPReduce
+
+        return (FSDPReduce if reduce == "ddp" else FSDPCanonicalReduce)(model, rt, accum)
+    return (DDPReduce if reduce == "ddp" else CanonicalReduce)(model, rt, accum)

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import datetime
 import os
+import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from common.outcome import BadInput
+
+from .board import Board
+
 from .elastic import attempt_store
 
 
-class SetupError(ValueError):
+class SetupError(BadInput, ValueError):
     """A device or backend setting this machine cannot honour; the message names the key."""
 
 
@@ -82,6 +87,9 @@ class SetupConfig(Protocol):
 
 @dataclass
 class Runtime:
+    """Where this process stands in the run (rank, world, device), the collectives it agrees
+    through, and the launch's board (runtime/board.py)."""
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -89,6 +97,7 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     threads: int = 1
+    board: Board = field(default_factory=lambda: Board(None, "solo"))
 
     @property
     def is_main(self) -> bool:
@@ -197,7 +206,14 @@ def setup(config: SetupConfig) -> Runtime:
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return Runtime(rank, local_rank, world_size, local_world_size, device, chosen, threads)
+    rt = Runtime(rank, local_rank, world_size, local_world_size, device, chosen, threads)
+    if chosen is not None:
+        # The store the process group was made with (every rank holds it); the prefix is drawn
+        # by rank 0 for this launch, so that nothing an earlier launch left there is read.
+        from torch.distributed import distributed_c10d
+
+        rt.board = Board(distributed_c10d._get_default_store(), f"minimind/{rt.broadcast(uuid.uuid4().hex)}")
+    return rt
 
 
 def teardown(rt: Runtime, clean: bool = False) -> None:

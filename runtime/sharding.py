@@ -162,32 +162,3 @@ class FSDPCanonicalReduce:
             norms.append(torch._foreach_norm([full], 2.0)[0] if full.is_cuda else torch.linalg.vector_norm(full, 2.0))
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
-
-
-class ShardedState:
-    """The model and optimizer of an fsdp run as one state for the checkpoint manager: a state dict
-    of DTensors that torch.distributed.checkpoint saves shard by shard (each rank its own) and loads
-    on any world size, plus the full fp32 model state gathered to rank 0 (the fp16 inference file
-    and model_sha256)."""
-
-    sharded = True
-
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-    def full_model_state(self) -> dict:
-        """Collective: rank 0 gets {name: fp32 CPU tensor} in state_dict order, the others {}."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import storage  # noqa: E402
 
-_write_file = storage._write_file
+_write_file = storage.write_file
 
 
 def _slow_write_file(path, obj, *rest):
@@ -27,6 +27,6 @@ def _slow_write_file(path, obj, *rest):
     return entry
 
 
-storage._write_file = _slow_write_file
+storage.write_file = _slow_write_file
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -4,29 +4,31 @@
 # config overrides:
 #   bash scripts/train.sh train.steps=400 out_dir=runs/longer
 #   bash scripts/train.sh --config configs/minimind2_small.yaml out_dir=runs/small
-# Exit code, for a scheduler: 0 finished or halted; 75 stopped on a signal (its checkpoint published,
-# or stopped before the run was under way: nothing lost either way; run the same command again to
-# resume); 2 bad input or config; 1 any other failure.
-# SIGTERM/SIGINT/SIGUSR1 to this script, to torchrun or to the whole tree all end in the agreed save,
-# from the first line of this script on.
+# Exit code, for a scheduler (common/outcome.py's table, the one place it is decided): 0 finished or
+# halted; 75 stopped on a signal (its checkpoint published, or stopped before anything was under way:
+# nothing lost either way; run the same command again to resume); 2 bad input or config; 1 failure.
+# SIGTERM/SIGINT/SIGUSR1 to this script, to torchrun or to the whole tree, at any moment from the
+# first line of this script on, end in the agreed save (or, before the run is under way, in nothing
+# to save), and in 75. TRAIN_PY (default train.py) is for the tests' doubles of train.py.
+code() { python3 "$(dirname "${BASH_SOURCE[0]}")/../common/outcome.py" "$1"; }  # the table (no .venv needed)
 STOP=0 PID="" FORWARDED=0
 forward() { if [ -n "$PID" ] && [ "$FORWARDED" = 0 ]; then FORWARDED=1; kill -TERM "$PID" 2>/dev/null || true; fi; }
 trap 'STOP=1; forward' TERM INT USR1
 # A stop before the launch (during the venv set-up or the config check) ends here with 75, even
 # when the same signal killed the command that was running then.
-trap 'if [ "$STOP" = 1 ] && [ -z "$PID" ]; then echo "[train.sh] stopped before the run started: nothing lost; exit 75 (run the same command again)" >&2; exit 75; fi' EXIT
+trap 'if [ "$STOP" = 1 ] && [ -z "$PID" ]; then echo "[train.sh] stopped before the run started: nothing lost; exit $(code stopped) (run the same command again)" >&2; exit "$(code stopped)"; fi' EXIT
 CONFIG=configs/tiny.yaml
 if [ "${1:-}" = "--config" ]; then
-  [ -n "${2:-}" ] || { echo "scripts/train.sh: --config needs a file" >&2; exit 2; }
+  [ -n "${2:-}" ] || { echo "scripts/train.sh: --config needs a file" >&2; exit "$(code bad_input)"; }
   CONFIG="$2"; shift 2
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-NPROC="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
 OUT="$(python -m configs --config "$CONFIG" "$@" --get out_dir)" || exit $?
-export MINIMIND_LAUNCH_ID="${MINIMIND_LAUNCH_ID:-$(python -c 'import uuid; print(uuid.uuid4().hex)')}"
-if [ "$STOP" = 1 ]; then exit 75; fi  # stopped during set-up: nothing started, nothing lost
-# Bash runs a trap only between foreground commands: torchrun runs in the background, and we wait.
-torchrun --standalone --nproc_per_node="$NPROC" train.py --config "$CONFIG" "$@" &
+export MINIMIND_LAUNCH_ID="${MINIMIND_LAUNCH_ID:-$(cat /proc/sys/kernel/random/uuid)}"
+if [ "$STOP" = 1 ]; then exit "$(code stopped)"; fi  # stopped during set-up: nothing started, nothing lost
+# torchrun through runtime/launch.py, whose exit code says when a signal stopped it (128 + the
+# signal). Bash runs a trap only between foreground commands: it runs in the background, and we wait.
+python -m runtime.launch --standalone --nproc_per_node=gpus-or-2 "${TRAIN_PY:-train.py}" --config "$CONFIG" "$@" &
 PID=$!
 if [ "$STOP" = 1 ]; then forward; fi  # a signal between the check above and $! being known
 RC=0
@@ -34,5 +36,5 @@ while :; do
   RC=0; wait "$PID" || RC=$?
   kill -0 "$PID" 2>/dev/null || break  # still running: the wait was cut short by a trapped signal
 done
-# torchrun's own status on a signal is its own (1, or death by signal): the run's recorded outcome decides.
+# The run's recorded outcome decides; without one, the launcher's code (a signal: stopped).
 python -m checkpoint status "$OUT" --exit-code --launch-id "$MINIMIND_LAUNCH_ID" --fallback "$RC" --stopped "$STOP" >/dev/null

@@ -31,9 +31,9 @@ def run(nproc: int, *overrides: str, expect: int | None = 0, env: dict | None = 
 
 
 def metrics(out: Path) -> list[dict]:
-    from checkpoint import runfolder
+    from run import folder
 
-    return runfolder.read_metrics(Path(out))
+    return folder.read_metrics(Path(out))
 
 
 def sha_at(out: Path, step: int) -> str:
@@ -43,9 +43,9 @@ def sha_at(out: Path, step: int) -> str:
 
 def storage_manifest(out: Path, step: int) -> dict:
     """The verified manifest of a run's checkpoint at `step`."""
-    from checkpoint import runfolder, storage
+    from checkpoint import storage
 
-    return storage.verify(Path(out) / runfolder.CHECKPOINTS / storage.step_dir_name(step))
+    return storage.verify(Path(out) / storage.CHECKPOINTS / storage.step_dir_name(step))
 
 
 def assert_same_as_reference_at(out: Path, ref: Path, step: int | None = None) -> None:
@@ -98,7 +98,7 @@ def losses(out: Path) -> list[float]:
 
 def inspect(path: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from checkpoint.__main__ import inspect_path
+    from cli import inspect_path
 
     return inspect_path(Path(path))
 

@@ -27,12 +27,15 @@ def test_an_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path, tiny, 
     sync, async_ = (storage.list_checkpoints(out / "checkpoints") for out in (sync_out, async_out))
     assert [s for s, _ in sync] == [s for s, _ in async_] == [20, 18, 15, 12, 9, 6, 3]
     for (_, a), (_, b) in zip(sync, async_):
-        pa, pb = storage.safe_load(a / storage.RESUME_FILE), storage.safe_load(b / storage.RESUME_FILE)
-        assert pa["optimizer"]["state"] and pa["optimizer"]["param_groups"] and pa["rng"]  # something to compare
-        # Every leaf: model, optimizer state and param groups, train state, RNG of every rank, geometry,
-        # fingerprint. Only the run's identity and the async switch itself may differ.
-        launch.assert_same_state(pa, pb, ignore=frozenset({"run_id", "config.checkpoint.async", "config.out_dir"}))
+        # The states (model, optimizer state and param groups, step and data position, every rank's
+        # generators) are the same bytes; so are the fp16 weights. Only the manifest (the run's
+        # identity, the async switch itself) and DCP's metadata (a save id) may differ.
+        state_a, state_b = (a / "state" / "__0_0.distcp").read_bytes(), (b / "state" / "__0_0.distcp").read_bytes()
+        assert len(state_a) > 100_000 and state_a == state_b
         assert (a / storage.WEIGHTS_FILE).read_bytes() == (b / storage.WEIGHTS_FILE).read_bytes()
+        ma, mb = storage.verify(a), storage.verify(b)
+        assert {k: v for k, v in ma.items() if k not in ("run_id", "config", "created_unix", "files")} == \
+               {k: v for k, v in mb.items() if k not in ("run_id", "config", "created_unix", "files")}
     assert launch.losses(sync_out) == launch.losses(async_out)
 
 

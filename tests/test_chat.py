@@ -245,8 +245,9 @@ def test_a_chat_run_is_bit_identical_on_1_2_and_3_processes_and_across_a_resume_
 def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf_export(sft_corpus, tiny, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from checkpoint.__main__ import main as checkpoint_main
-    from inference import chat_reply, load_model, load_tokenizer
+    from cli import main as checkpoint_main
+    from cli import chat_reply
+    from weights import load_model, load_tokenizer
 
     out = tmp_path / "run"
     code, err = launch.in_process(*tiny, f"data.path={sft_corpus}", "data.format=chat", f"data.tokenizer={MINIMIND}",

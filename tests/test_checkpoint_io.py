@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import rng, storage
-from runtime.seeding import derive_seed
-from checkpoint.manager import half_weights, truncate_metrics
+from checkpoint import format, states as rng, storage
+from checkpoint.manager import half_weights
+from common.seeds import derive_seed
+from run.metrics import truncate
 
 pytestmark = pytest.mark.unit
 
@@ -23,9 +24,24 @@ class Explodes:
         raise OSError("injected failure between two file writes")
 
 
-def publish_step(root, step, value=1.0):
-    files = {storage.RESUME_FILE: {"w": torch.full((4,), value)}, storage.WEIGHTS_FILE: {"w": torch.full((4,), value).half()}}
-    return storage.publish(root, step, files, {"world_size": 1})
+STATE_FILE = "state/__0_0.distcp"
+
+
+def publish_step(root, step, value=1.0, size=4):
+    """A checkpoint as the manager writes one, on one process: the states through DCP (format.save),
+    the fp16 weights beside them, published by storage.publish inside DCP's finish."""
+    tmp, out = root / f".tmp-step_{step:08d}-test", []
+
+    def publish(entries, metadata):
+        out.append(storage.publish(root, step, {storage.WEIGHTS_FILE: {"w": torch.full((size,), value).half()}}, {"world_size": 1},
+                                   tmp=tmp, written=entries))
+
+    format.save({"model": {"w": torch.full((size,), value)}, "train": {"step": step}}, tmp, publish, no_dist=True)
+    return out[0]
+
+
+def read_w(folder):
+    return storage.read_tensors(folder, storage.verify(folder))["w"]
 
 
 def test_a_published_checkpoint_has_every_file_and_a_manifest_with_sizes_and_hashes(tmp_path):
@@ -33,16 +49,17 @@ def test_a_published_checkpoint_has_every_file_and_a_manifest_with_sizes_and_has
     assert folder.name == "step_00000010"
     manifest = storage.verify(folder)
     assert manifest["step"] == 10 and manifest["world_size"] == 1
-    for name in (storage.RESUME_FILE, storage.WEIGHTS_FILE):
+    assert sorted(manifest["files"]) == ["state/.metadata", STATE_FILE, storage.WEIGHTS_FILE]
+    for name in manifest["files"]:
         assert manifest["files"][name]["bytes"] == (folder / name).stat().st_size
-    assert torch.equal(storage.safe_load(folder / storage.RESUME_FILE)["w"], torch.ones(4))
+    assert torch.equal(read_w(folder), torch.ones(4))
 
 
 def test_an_exception_between_two_file_writes_leaves_the_previous_checkpoint_and_nothing_new(tmp_path):
     publish_step(tmp_path, 10)
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(storage.CheckpointError, match=r"saving step 20 to .*step_00000020 failed: .*injected failure"):
-        storage.publish(tmp_path, 20, {storage.RESUME_FILE: {"w": torch.zeros(4)}, storage.WEIGHTS_FILE: Explodes()}, {})
+        storage.publish(tmp_path, 20, {storage.WEIGHTS_FILE: {"w": torch.zeros(4)}, "tokenizer.json": Explodes()}, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no step_20, no temporary left
     assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [10]
     storage.verify(tmp_path / "step_00000010")
@@ -52,7 +69,7 @@ def test_a_temporary_folder_left_by_a_killed_save_is_never_listed_and_is_cleared
     publish_step(tmp_path, 10)
     killed = tmp_path / ".tmp-step_00000020-deadbeef"
     killed.mkdir()
-    (killed / storage.RESUME_FILE).write_bytes(b"half")
+    (killed / storage.WEIGHTS_FILE).write_bytes(b"half")
     assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [10]
     assert storage.clear_temporaries(tmp_path) == [killed] and not killed.exists()
 
@@ -71,7 +88,7 @@ def test_keep_last_k_prunes_the_oldest_first_and_only_after_publishing(tmp_path)
 def test_pruning_never_counts_or_deletes_a_checkpoint_that_does_not_verify_nor_follows_a_link(tmp_path):
     root, outside = tmp_path / "checkpoints", tmp_path / "outside"
     damaged = publish_step(root, 50)
-    (damaged / storage.RESUME_FILE).write_bytes(b"damaged")
+    (damaged / STATE_FILE).write_bytes(b"damaged")
     publish_step(outside, 60)
     (root / "step_00000060").symlink_to(outside / "step_00000060", target_is_directory=True)
     owned = {publish_step(root, step) for step in (10, 20, 30)}
@@ -88,7 +105,7 @@ def test_pruning_verifies_a_checkpoint_it_did_not_write_before_deleting_it(tmp_p
     assert storage.prune(tmp_path, 2, owned) == [old]
 
 
-@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "sub/resume.pth", "notes.txt"])
+@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "state/../../notes.txt", "notes.txt", "resume.pth"])
 def test_a_manifest_naming_anything_but_the_trainers_own_files_is_refused_before_any_file_is_opened(tmp_path, name):
     folder = publish_step(tmp_path, 10)
     canary = tmp_path / "canary"
@@ -129,8 +146,8 @@ def test_a_full_disk_is_reported_as_such_with_the_path_even_through_torchs_zip_w
             self.f.close()
 
     monkeypatch.setattr(storage, "open", lambda path, mode: FullDisk(real_open(path, mode)), raising=False)
-    with pytest.raises(storage.CheckpointError, match=r"No space left on device: '.*resume.pth'") as e:
-        storage.publish(tmp_path, 10, {storage.RESUME_FILE: {"w": torch.zeros(100_000)}}, {})
+    with pytest.raises(storage.CheckpointError, match=r"No space left on device: '.*weights_fp16.pth'") as e:
+        storage.publish(tmp_path, 10, {storage.WEIGHTS_FILE: {"w": torch.zeros(100_000)}}, {})
     assert "unexpected pos" not in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -138,7 +155,7 @@ def test_a_full_disk_is_reported_as_such_with_the_path_even_through_torchs_zip_w
 def test_saving_a_step_that_exists_replaces_it_whole(tmp_path):
     publish_step(tmp_path, 10, value=1.0)
     publish_step(tmp_path, 10, value=2.0)
-    assert torch.equal(storage.safe_load(tmp_path / "step_00000010" / storage.RESUME_FILE)["w"], torch.full((4,), 2.0))
+    assert torch.equal(read_w(tmp_path / "step_00000010"), torch.full((4,), 2.0))
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000010"]
 
 
@@ -147,10 +164,11 @@ def test_saving_a_step_that_exists_replaces_it_whole(tmp_path):
     ("flip", "does not match the manifest"),
     ("delete", "missing"),
     ("manifest", "does not parse"),
+    ("foreign", r"holds state/__1_0.distcp, not in its manifest"),
 ])
 def test_verify_names_the_file_and_what_failed(tmp_path, damage, match):
     folder = publish_step(tmp_path, 10)
-    target = folder / storage.RESUME_FILE
+    target = folder / STATE_FILE
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-10])
     elif damage == "flip":
@@ -159,6 +177,8 @@ def test_verify_names_the_file_and_what_failed(tmp_path, damage, match):
         target.write_bytes(bytes(data))
     elif damage == "delete":
         target.unlink()
+    elif damage == "foreign":  # DCP would read any file of state/: only the listed ones may be there
+        (folder / "state" / "__1_0.distcp").write_bytes(target.read_bytes())
     else:
         (folder / storage.MANIFEST).write_text("{not json")
     with pytest.raises(storage.CheckpointError, match=match):
@@ -217,45 +237,52 @@ def test_the_fp16_weights_keep_tied_tensors_as_one(tmp_path):
 def test_metrics_past_the_resumed_step_and_half_written_lines_are_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
-    assert truncate_metrics(path, 5) == 5
+    assert truncate(path, 5) == 5
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
-def test_the_bytes_that_are_hashed_are_the_bytes_that_are_deserialized(tmp_path, monkeypatch):
+def test_each_state_file_is_read_once_and_used_only_as_the_bytes_that_were_hashed(tmp_path, monkeypatch):
+    """A file replaced after it was read is not read again: what is loaded is what was hashed, and
+    the replaced file is refused by the next read."""
     folder = publish_step(tmp_path, 10, value=1.0)
-    opened, real_open, real_deserialize = [], open, storage.deserialize
+    opened, real_open = [], open
+    real_verified = format.verified_bytes
 
     def counting_open(path, mode="r", *args, **kwargs):
         opened.append((Path(path).name, mode))
         return real_open(path, mode, *args, **kwargs)
 
-    def replaced_meanwhile(data, path, map_location):
-        # another process rewrites the file after it was read, before it is deserialized
-        torch.save({"w": torch.full((4,), 666.0)}, path)
-        return real_deserialize(data, path, map_location)
+    def replaced_meanwhile(folder_, name, entries):
+        data = real_verified(folder_, name, entries)
+        if name == STATE_FILE:  # another process rewrites the file after it was read and hashed
+            (Path(folder_) / name).write_bytes(data.replace(torch.ones(4).numpy().tobytes(), torch.full((4,), 9.0).numpy().tobytes()))
+        return data
 
-    monkeypatch.setattr(storage, "open", counting_open, raising=False)
-    monkeypatch.setattr(storage, "deserialize", replaced_meanwhile)
-    _, obj = storage.load_verified(folder)
-    assert torch.equal(obj["w"], torch.ones(4))  # what was hashed, not what is on disk now
-    assert opened == [(storage.RESUME_FILE, "rb")]  # read once: no second pass that could see other bytes
-    monkeypatch.setattr(storage, "deserialize", real_deserialize)
-    with pytest.raises(storage.CheckpointError, match="does not match the manifest|the manifest says"):
-        storage.load_verified(folder)  # the rewritten file is refused
+    monkeypatch.setattr(format, "open", counting_open, raising=False)
+    monkeypatch.setattr(format, "verified_bytes", replaced_meanwhile)
+    assert torch.equal(read_w(folder), torch.ones(4))  # what was hashed, not what is on disk now
+    assert opened.count(("__0_0.distcp", "rb")) == 1  # read once: no second pass that could see other bytes
+    monkeypatch.setattr(format, "verified_bytes", real_verified)
+    with pytest.raises(storage.CheckpointError, match="does not match the manifest"):
+        read_w(folder)  # the rewritten file is refused
 
 
 def test_a_flipped_byte_inside_a_tensor_is_refused_by_the_verified_load(tmp_path):
-    """The resume file still unpickles after the flip (torch.load checks no checksum of its own):
+    """The state file still deserializes after the flip (torch.load checks no checksum of its own):
     only the sha256 against the manifest tells."""
-    folder = storage.publish(tmp_path, 10, {storage.RESUME_FILE: {"w": torch.full((1000,), 1.5)}}, {})
-    path = folder / storage.RESUME_FILE
+    folder = publish_step(tmp_path, 10, value=1.5, size=1000)
+    path = folder / STATE_FILE
     data = bytearray(path.read_bytes())
     at = bytes(data).index(torch.full((4,), 1.5).numpy().tobytes()) + 8  # inside the tensor's bytes
     data[at] ^= 0x01
     path.write_bytes(bytes(data))
-    assert not torch.equal(storage.safe_load(path)["w"], torch.full((1000,), 1.5))  # a valid file, other numbers
-    with pytest.raises(storage.CheckpointError, match=r"resume.pth: sha256 .* does not match the manifest"):
-        storage.load_verified(folder)
+    manifest = json.loads((folder / storage.MANIFEST).read_text())
+    manifest["files"][STATE_FILE]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    forged = {**manifest["files"]}  # with a manifest that vouches for the flipped bytes, they load: other numbers
+    metadata = storage.read_metadata(folder, manifest)
+    assert not torch.equal(format.read_tensors(folder, forged, metadata, "model.")["w"], torch.full((1000,), 1.5))
+    with pytest.raises(storage.CheckpointError, match=r"__0_0.distcp: sha256 .* does not match the manifest"):
+        read_w(folder)
 
 
 def test_pruning_removes_only_the_files_a_manifest_lists_and_leaves_what_a_user_put_in_the_folder(tmp_path, caplog):
@@ -275,11 +302,11 @@ def test_pruning_removes_only_the_files_a_manifest_lists_and_leaves_what_a_user_
 
 def test_a_step_folder_that_does_not_verify_is_moved_aside_when_its_step_is_saved_again(tmp_path, caplog):
     damaged = publish_step(tmp_path, 10, value=1.0)
-    (damaged / storage.RESUME_FILE).write_bytes(b"damaged")
+    (damaged / STATE_FILE).write_bytes(b"damaged")
     publish_step(tmp_path, 10, value=2.0)
-    assert torch.equal(storage.safe_load(tmp_path / "step_00000010" / storage.RESUME_FILE)["w"], torch.full((4,), 2.0))
+    assert torch.equal(read_w(tmp_path / "step_00000010"), torch.full((4,), 2.0))
     [aside] = (tmp_path / storage.MOVED_ASIDE).iterdir()
-    assert aside.name.startswith("step_00000010-") and (aside / storage.RESUME_FILE).read_bytes() == b"damaged"
+    assert aside.name.startswith("step_00000010-") and (aside / STATE_FILE).read_bytes() == b"damaged"
     assert f"did not verify" in caplog.text and str(aside) in caplog.text
     assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [10]  # what was set aside is never listed
 

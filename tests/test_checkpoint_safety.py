@@ -2,6 +2,7 @@
 clear errors for mismatches and failed saves, safe loading for inference. Real files on disk."""
 import errno
 import hashlib
+import io
 import json
 import os
 
@@ -10,7 +11,9 @@ import torch
 
 import launch
 from checkpoint import storage
-from inference import generate, load_model
+from cli import generate_text
+from data.tokenizer import ByteTokenizer
+from weights import load_model
 
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +32,11 @@ def reference12(tmp_path_factory, short):
     return out
 
 
+STATE_FILE = "state/__0_0.distcp"
+
+
 def damage(folder, how):
-    target = folder / storage.RESUME_FILE
+    target = folder / STATE_FILE
     if how == "flipped byte":
         data = bytearray(target.read_bytes())
         data[len(data) // 3] ^= 0x10
@@ -41,6 +47,8 @@ def damage(folder, how):
         (folder / storage.WEIGHTS_FILE).unlink()
     elif how == "manifest that does not parse":
         (folder / storage.MANIFEST).write_text('{"files": ')
+    elif how == "foreign file":
+        (folder / "state" / "__1_0.distcp").write_bytes(b"not the trainer's")
 
 
 def reseal(folder):
@@ -52,14 +60,14 @@ def reseal(folder):
     (folder / storage.MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("how", ["flipped byte", "truncated", "missing file", "manifest that does not parse"])
+@pytest.mark.parametrize("how", ["flipped byte", "truncated", "missing file", "manifest that does not parse", "foreign file"])
 def test_a_damaged_newest_checkpoint_is_reported_and_skipped_for_the_newest_that_verifies(tmp_path, short, reference12, how):
     code, _ = launch.in_process(*short, "train.halt_at=8", f"out_dir={tmp_path}")
     assert code == 0
     damage(tmp_path / "checkpoints" / "step_00000008", how)
     code, err = launch.in_process(*short, f"out_dir={tmp_path}")
     assert code == 0
-    assert "skipping checkpoint step 8: " in err and "step_00000008" in err
+    assert "skipping checkpoint " in err and "step_00000008" in err
     assert "step 4 resumes at sample 32" in err
     assert launch.inspect(tmp_path)["model_sha256"] == launch.inspect(reference12)["model_sha256"]
     assert launch.losses(tmp_path) == launch.losses(reference12)
@@ -71,10 +79,14 @@ def test_an_explicit_path_to_a_damaged_checkpoint_is_an_error_naming_the_file(tm
     damage(folder, "flipped byte")
     code, err = launch.in_process(*short, f"checkpoint.resume={folder}", f"out_dir={tmp_path / 'other'}")
     assert code == 1
-    assert f"{folder / storage.RESUME_FILE}: sha256" in err and "does not match the manifest" in err
+    assert f"{folder / STATE_FILE}: sha256" in err and "does not match the manifest" in err
 
 
 def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(tmp_path, short):
+    """Code in a state item, in DCP's metadata, and in the fp16 weights, each with a manifest that
+    vouches for it (what someone handing you a folder would do): refused, nothing of it runs."""
+    import pickle
+
     launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints" / "step_00000004"
     marker = tmp_path / "the-payload-ran"
@@ -83,19 +95,32 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    state = torch.load(folder / storage.RESUME_FILE, weights_only=True)
-    state["train"] = Payload()
-    torch.save(state, folder / storage.RESUME_FILE)
+    # A bytes item of the state file (the step) replaced, in place, by a pickle that runs code.
+    data = bytearray((folder / STATE_FILE).read_bytes())
+    metadata = storage.read_metadata(folder, storage.verify(folder))
+    [info] = [v for k, v in metadata.storage_data.items() if k.fqn == "train.step"]
+    evil = io.BytesIO()
+    torch.save(Payload(), evil)
+    data[info.offset:info.offset + info.length] = evil.getvalue()
+    (folder / STATE_FILE).write_bytes(bytes(data))
+    for name in metadata.storage_data:  # the offsets after it moved with it: fix them up, as a forger would
+        if metadata.storage_data[name].offset > info.offset:
+            metadata.storage_data[name].offset += len(evil.getvalue()) - info.length
+    metadata.storage_data[next(k for k in metadata.storage_data if k.fqn == "train.step")].length = len(evil.getvalue())
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
     torch.save({"tok_embeddings.weight": Payload()}, folder / storage.WEIGHTS_FILE)
-    reseal(folder)  # the manifest vouches for the files: it must not matter
+    reseal(folder)
     storage.verify(folder)
 
     code, err = launch.in_process(*short, f"out_dir={tmp_path}")
-    assert code == 1 and "resume.pth: not a plain checkpoint" in err and "refused without running them" in err
+    assert code == 1 and "train.step: not a plain checkpoint" in err and "refused without running them" in err, err
+    assert "weights_only=False" not in err
     with pytest.raises(storage.CheckpointError, match="not a plain checkpoint"):
-        launch.inspect(folder)
-    with pytest.raises(storage.CheckpointError, match="weights_fp16.pth: not a plain checkpoint"):
         load_model(folder)
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    reseal(folder)
+    with pytest.raises(storage.CheckpointError, match="posix.system is not one of DCP's metadata classes: refused"):
+        launch.inspect(folder)
     assert not marker.exists()
 
 
@@ -108,10 +133,10 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
 ])
 def test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field(tmp_path, short, change, expected):
     launch.in_process(*short, "train.halt_at=4", f"out_dir={tmp_path}")
-    before = (tmp_path / "checkpoints" / "step_00000004" / storage.RESUME_FILE).read_bytes()
+    before = (tmp_path / "checkpoints" / "step_00000004" / STATE_FILE).read_bytes()
     code, err = launch.in_process(*short, change, f"out_dir={tmp_path}")
     assert code == 2 and "cannot resume this run from it" in err and expected in err
-    assert (tmp_path / "checkpoints" / "step_00000004" / storage.RESUME_FILE).read_bytes() == before
+    assert (tmp_path / "checkpoints" / "step_00000004" / STATE_FILE).read_bytes() == before
     assert [s for s, _ in storage.list_checkpoints(tmp_path / "checkpoints")] == [4]
 
 
@@ -125,17 +150,17 @@ def test_a_changed_corpus_is_an_error_naming_the_data_fingerprint(tmp_path, shor
 
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previous_checkpoint(tmp_path, short, monkeypatch, async_save):
-    real = storage._write_file
+    real = storage.write_file
 
     def disk_full(path, obj, *rest):
         if "step_00000008" in str(path) and path.name == storage.WEIGHTS_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, obj, *rest)
 
-    monkeypatch.setattr(storage, "_write_file", disk_full)
+    monkeypatch.setattr(storage, "write_file", disk_full)
     code, err = launch.in_process(*short, f"checkpoint.async={async_save}", f"out_dir={tmp_path}")
     assert code == 1
-    assert "saving step 8 to" in err and "step_00000008 failed" in err and "No space left on device" in err
+    assert "saving step 8: saving step 8 to" in err and "step_00000008 failed" in err and "No space left on device" in err
     ckpts = tmp_path / "checkpoints"
     assert [s for s, _ in storage.list_checkpoints(ckpts)] == [4] and not any(ckpts.glob(".tmp-*"))
     storage.verify(ckpts / "step_00000004")
@@ -148,7 +173,8 @@ def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previ
 
 def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely(reference12):
     model = load_model(reference12)
-    state = storage.safe_load(reference12 / "checkpoints" / "step_00000012" / storage.RESUME_FILE)["model"]
+    folder = reference12 / "checkpoints" / "step_00000012"
+    state = storage.read_tensors(folder, storage.verify(folder))
     full = type(model)(model.cfg)
     full.load_state_dict(state)
     x = torch.randint(0, 256, (2, 32))
@@ -156,16 +182,17 @@ def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely
     print(f"fp16 weights vs fp32: max |logit difference| {gap:.3e}")
     assert 0 < gap < 2.8e-3  # fp16 rounding of the weights, nothing more: within 10x of the 2.8e-4 measured here
     torch.manual_seed(1)
-    text = generate(model, "The ", max_new_tokens=20, seed=1)
+    text = generate_text(model, "The ", 20, 0.8, 1, ByteTokenizer())
     torch.manual_seed(2)  # the global generator moved: sampling draws from its own, seeded by `seed`
-    assert text.startswith("The ") and text == generate(model, "The ", max_new_tokens=20, seed=1)
+    assert text.startswith("The ") and text == generate_text(model, "The ", 20, 0.8, 1, ByteTokenizer())
 
 
 def test_a_failure_on_rank_0_alone_after_a_publish_ends_every_rank_at_once_with_the_error(tmp_path, epochs):
     """Pruning raises on rank 0 after step 2 is published. Were the others left waiting in a
     collective, the launch would hang until dist.timeout_s (600 s) and the test time out first."""
     proc = launch.run(2, *epochs, "checkpoint.interval=2", f"out_dir={tmp_path}", script="tests/failing_prune_train.py", expect=1)
-    assert "saving a checkpoint failed: OSError: [Errno 5] Input/output error (injected)" in proc.stderr
+    assert "error: saving step 2: OSError: [Errno 5] Input/output error (injected)" in proc.stderr  # rank 0's own line
+    assert "[rank 1] rank 0 failed during training: saving step 2: OSError" in proc.stderr  # the other rank names it
     assert storage.list_checkpoints(tmp_path / "checkpoints")[0][0] == 2  # published before the failure, and kept
     assert launch.lines(tmp_path / "metrics.jsonl") == 2  # no rank trained on
 
@@ -176,7 +203,7 @@ def test_a_manifest_that_is_a_folder_is_a_damaged_checkpoint_skipped_then_moved_
     manifest.unlink()
     manifest.mkdir()  # read_manifest once raised IsADirectoryError on rank 0 alone, and the others waited
     proc = launch.run(2, *epochs, "checkpoint.interval=2", "train.halt_at=8", f"out_dir={tmp_path}")
-    assert "skipping checkpoint step 4: " in proc.stderr and "manifest.json: cannot be read" in proc.stderr
+    assert "skipping checkpoint " in proc.stderr and "manifest.json: cannot be read" in proc.stderr
     [aside] = (tmp_path / "checkpoints" / storage.MOVED_ASIDE).iterdir()  # when step 4 was saved again
     assert aside.name.startswith("step_00000004-") and (aside / storage.MANIFEST).is_dir()
     assert "did not verify" in proc.stderr and str(aside) in proc.stderr

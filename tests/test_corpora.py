@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import launch
-from data import DataError, handoff, pack, sources
+from data import DataError, pack, sources
+from runtime.board import Board, Heartbeat, Stalled, wait_for
 from data import prepare
 from data.sampler import BatchPlan, BijectiveOrder, BlockDistributedSampler, make_order
 
@@ -182,23 +183,27 @@ def test_a_file_that_changes_while_it_is_packed_is_refused_and_nothing_is_cached
 
 @pytest.mark.unit
 def test_waiters_get_the_packers_outcome_and_fail_at_once_when_it_fails_or_stops_beating(tmp_path):
-    def packer(outcome, seconds):
-        with handoff.Heartbeat(tmp_path / f"{outcome.get('error', 'ok')}.json", every_s=0.05) as beat:
+    board = Board(None, "test")  # one process: the board is a dict; on a launch it is the c10d store
+
+    def packer(key, outcome, seconds):
+        with Heartbeat(board, key, every_s=0.05) as beat:
             for i in range(10):
-                beat.watch(i, 10)
+                beat.progress(i, 10)
                 time.sleep(seconds / 10)
             beat.finish(outcome)
 
-    for outcome in ({"bin": "x.bin", "meta": {}}, {"error": "c.jsonl:3: line is not valid JSON"}):
-        t = threading.Thread(target=packer, args=(outcome, 1.0))
+    for key, outcome in (("ok", {"bin": "x.bin", "meta": {}}), ("bad", {"error": "c.jsonl:3: line is not valid JSON", "outcome": "bad_input"})):
+        t = threading.Thread(target=packer, args=(key, outcome, 1.0))
         t.start()
         # the packer takes 1 s, twice stall_s: the waiter gets its outcome because the heartbeat moves
-        assert handoff.wait(tmp_path / f"{outcome.get('error', 'ok')}.json", stall_s=0.5, poll_s=0.02) == outcome
+        assert wait_for(board, key, 0.5, "the packer", me=1, poll_s=0.02) == outcome
         t.join()
-    stuck = tmp_path / "stuck.json"
-    stuck.write_text(json.dumps({"state": "packing", "beat": 7, "host": "h", "pid": 1}))
-    with pytest.raises(DataError, match="made no progress for 0.3 s"):
-        handoff.wait(stuck, stall_s=0.3, poll_s=0.02)
+    board.set("stuck", {"state": "working", "beat": 7, "host": "h", "pid": 1})
+    with pytest.raises(Stalled, match="made no progress for 0.3 s"):
+        wait_for(board, "stuck", 0.3, "the packer", me=1, poll_s=0.02)
+    board.post_failure({"rank": 2, "outcome": "failed", "message": "rank 2's disk is gone", "phase": "set-up"})
+    with pytest.raises(Exception, match="rank 2's disk is gone"):  # another rank's failure ends the wait at once
+        wait_for(board, "stuck", 60, "the packer", me=1, poll_s=0.02)
 
 
 @pytest.mark.e2e

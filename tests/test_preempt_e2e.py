@@ -9,7 +9,9 @@ import socket
 import pytest
 
 import launch
-from checkpoint import EXIT_STOPPED
+from common.outcome import exit_code
+
+EXIT_STOPPED = exit_code("stopped")
 from checkpoint.storage import list_checkpoints, verify
 
 pytestmark = pytest.mark.e2e

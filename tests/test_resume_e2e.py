@@ -11,7 +11,7 @@ import json
 import pytest
 
 import launch
-from checkpoint.storage import safe_load
+from weights import checkpoint_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -68,8 +68,8 @@ def test_world_size_two_to_one_to_two_is_sample_exact_and_close_in_weights(tmp_p
         ids = [i for m in got if m["epoch"] == epoch for i in m["sample_ids"]]
         assert len(ids) == len(set(ids)) == 64
     # The sums were reduced in another order: close, not equal (figures measured, see README).
-    a = safe_load(tmp_path / "checkpoints" / "step_00000020" / "resume.pth")["model"]
-    b = safe_load(ref / "checkpoints" / "step_00000020" / "resume.pth")["model"]
+    a = checkpoint_weights(tmp_path)[3]
+    b = checkpoint_weights(ref)[3]
     max_dw = max((a[k] - b[k]).abs().max().item() for k in a)
     max_dloss = max(abs(x["loss"] - y["loss"]) for x, y in zip(got, want))
     print(f"world size 2->1->2 vs 2: max |dw| = {max_dw:.3e}, max |dloss| = {max_dloss:.3e}")
@@ -87,5 +87,5 @@ def test_inspect_reads_a_run_folder_and_a_checkpoint_folder(reference):
         assert info["step"] == 20 and info["epoch"] == 2 and info["samples_seen"] == 32
         assert info["world_size"] == 2 and info["global_batch"] == 8 and info["micro_batch"] == 2
         assert len(info["model_sha256"]) == 64 and info["manifest_model_sha256_matches"]
-        assert set(info["files"]) == {"resume.pth", "weights_fp16.pth"}
+        assert set(info["files"]) == {"state/.metadata", "state/__0_0.distcp", "weights_fp16.pth"}
         assert info["ranks_with_rng_state"] == 2

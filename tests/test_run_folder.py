@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 import launch
-from checkpoint import runfolder, storage
+from checkpoint import storage
+from run import folder as runfolder
 
 pytestmark = pytest.mark.e2e
 
@@ -69,12 +70,12 @@ def test_a_relaunch_while_the_first_run_is_inside_a_slowed_save_waits_for_it_and
 def test_when_every_checkpoint_is_damaged_the_run_stops_with_each_fault_and_trains_and_deletes_nothing(tmp_path, epochs, halted):
     out = copy_of(halted, tmp_path)
     for step in (4, 8):
-        target = out / "checkpoints" / f"step_{step:08d}" / storage.RESUME_FILE
+        target = out / "checkpoints" / f"step_{step:08d}" / "state" / "__0_0.distcp"
         target.write_bytes(target.read_bytes()[:100])
     before = snapshot(out)
     proc = launch.run(0, *epochs, "checkpoint.interval=4", f"out_dir={out}", expect=1)
     assert "no checkpoint verifies" in proc.stderr and "will not start fresh" in proc.stderr
-    assert "step_00000008/resume.pth: 100 bytes" in proc.stderr and "step_00000004/resume.pth: 100 bytes" in proc.stderr
+    assert "step_00000008/state/__0_0.distcp: 100 bytes" in proc.stderr and "step_00000004/state/__0_0.distcp: 100 bytes" in proc.stderr
     assert "checkpoint.resume=<a checkpoint folder you trust>, or a new out_dir" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert snapshot(out) == before  # no metrics line, no checkpoint, no config written or removed
@@ -204,11 +205,11 @@ def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path,
     out = copy_of(halted, tmp_path)
     folder = out / "checkpoints" / "step_00000008"
     manifest = json.loads((folder / storage.MANIFEST).read_text())
-    manifest["files"][storage.RESUME_FILE] = "not an entry"
+    manifest["files"]["state/__0_0.distcp"] = "not an entry"
     (folder / storage.MANIFEST).write_text(json.dumps(manifest))
     for verb in ("inspect", "generate"):
         proc = run_cli(verb, folder)
-        assert proc.returncode == 2 and "the entry for resume.pth is not" in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.returncode == 2 and "the entry for state/__0_0.distcp is not" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_compare_tells_an_unreadable_metrics_file_from_runs_that_differ(tmp_path, halted):
@@ -226,7 +227,7 @@ def test_a_folder_locked_by_another_process_is_refused_naming_it(tmp_path):
     """The lock on its own, in seconds: another process holds out_dir; acquiring it here waits the
     timeout, then refuses naming that process; once it is gone the folder is free."""
     holder = subprocess.Popen(
-        [launch.PY, "-c", "import sys, time; from pathlib import Path; from checkpoint import runfolder; "
+        [launch.PY, "-c", "import sys, time; from pathlib import Path; from run import folder as runfolder; "
                           "runfolder.acquire(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(60)", str(tmp_path)],
         cwd=launch.ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -256,7 +257,7 @@ def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_
     holder = None
     if stage == "waiting for the run folder's lock":
         holder = subprocess.Popen(
-            [launch.PY, "-c", "import sys, time; from pathlib import Path; from checkpoint import runfolder; "
+            [launch.PY, "-c", "import sys, time; from pathlib import Path; from run import folder as runfolder; "
                               "runfolder.acquire(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(120)", str(out)],
             cwd=launch.ROOT, stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"

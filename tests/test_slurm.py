@@ -121,7 +121,8 @@ def test_scancel_leaves_a_published_checkpoint_and_no_process_behind(tmp_path, e
     wait_job(job_id, ("CANCELLED",), timeout=120)
     launch.wait_for(lambda: subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode != 0, timeout=60)
     stopped = launch.lines(out / "metrics.jsonl")
-    from checkpoint import runfolder, storage
+    from checkpoint import storage
+    from run import folder as runfolder
 
     record = runfolder.read_status(out)
     assert record["state"] == "stopped" and record["step"] == stopped

@@ -14,7 +14,8 @@ import pytest
 
 import launch
 from conftest import train_cli
-from checkpoint import runfolder, storage
+from checkpoint import storage
+from run import folder as runfolder
 from data import PackedDataset, pack
 from data import tokenizer as tokenizers
 
@@ -136,7 +137,7 @@ def test_a_run_with_minimind_tokenizer_halted_and_resumed_ends_bit_identical(tmp
     launch.assert_identical(out, ref)
     assert launch.inspect(out)["data_fingerprint"]["vocab_size"] == 6400
     manifest = launch.storage_manifest(out, 20)
-    assert set(manifest["files"]) == {*storage.FILES}  # the tokenizer files travel in every checkpoint
+    assert set(manifest["files"]) == {*storage.FILES, "state/.metadata", "state/__0_0.distcp"}  # the tokenizer files travel in every checkpoint
     ckpt = out / runfolder.CHECKPOINTS / storage.step_dir_name(20)
     assert (ckpt / tokenizers.TOKENIZER_FILE).read_bytes() == MINIMIND.read_bytes()
 
@@ -156,7 +157,8 @@ def test_a_resume_with_another_tokenizer_fails_naming_both_and_generate_uses_the
     proc = subprocess.run([sys.executable, "-m", "checkpoint", "generate", str(run), "--prompt", "The model", "--tokens", "12",
                            "--temperature", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    from inference import generate, load_model, load_tokenizer
+    from cli import generate_text as generate
+    from weights import load_model, load_tokenizer
 
     tok = load_tokenizer(run)
     assert tok.vocab_size == 400 and tok.sha256 == tokenizers.load(str(trained)).sha256

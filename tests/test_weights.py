@@ -113,7 +113,7 @@ def test_a_minimind_export_has_minimind2s_keys_in_fp16_and_loads_back_through_in
                                   "train.lr=0", f"out_dir={out}")
     assert code == 0, err
     assert "model.init_from: minimind weights from" in err
-    from inference import load_model
+    from weights import load_model
 
     first, second = load_model(run), fp32_model(out)  # lr 0: the second run's weights are the export's
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
@@ -168,7 +168,8 @@ def test_a_run_started_with_init_from_halted_and_resumed_ends_bit_identical_with
 
 @pytest.mark.unit
 def test_cached_and_uncached_greedy_generation_give_the_same_tokens_and_positions_past_rope_are_an_error(run):
-    from inference import generate_ids, load_model
+    from model.generate import generate_ids
+    from weights import load_model
 
     model = load_model(run)
     prompt = [1, 40, 41, 42]
@@ -202,7 +203,7 @@ def test_the_kv_cache_appending_several_positions_at_once_matches_the_full_forwa
 @pytest.mark.e2e
 def test_init_from_reads_our_run_and_checkpoint_folders_fp16_files_and_hf_folders(tmp_path, run):
     import weights
-    from inference import load_model
+    from weights import load_model
 
     assert export(run, "--format", "hf", "--out", tmp_path / "hf").returncode == 0
     fp32, fp16 = fp32_model(run), load_model(run)

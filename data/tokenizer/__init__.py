@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.outcome import BadInput
+
 BYTES = "bytes"
 """`data.tokenizer` value of the built-in byte tokenizer."""
 BOS, EOS, PAD = 256, 257, 258
@@ -29,7 +31,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """MiniMind's special tokens (pad, bos, eos), ids 0-2 of a tokenizer trained here."""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(BadInput, ValueError):
     """A tokenizer file that cannot be used; the message names the file and what was expected."""
 
 
@@ -212,7 +214,7 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
             f"--vocab-size {vocab_size}: the corpus gives only {tok.get_vocab_size()} ids (no more merges occur at least "
             f"--min-frequency {min_frequency} times); use a larger corpus, --vocab-size {tok.get_vocab_size()} or less, "
             f"or a lower --min-frequency (nothing was written)")
-    from checkpoint.files import atomic_write
+    from common.files import atomic_write
 
     from ..chat import CHATML  # a template for data.format=chat: ChatML, with this tokenizer's BOS/EOS texts
 

@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from common.outcome import command
+
 from . import CONFIG_FILE, TOKENIZER_FILE, TokenizerError, train_bpe
-from ..prepare import BUILTIN, DataError, resolve_source
+from ..prepare import BUILTIN, resolve_source
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -29,21 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     existing = [args.out / name for name in (TOKENIZER_FILE, CONFIG_FILE) if (args.out / name).exists()]
     if existing and not args.force:
-        print(f"error: --out {args.out} already holds {', '.join(p.name for p in existing)}: a run that uses it would see "
-              f"another tokenizer; choose another folder, or --force to replace them (nothing was written)", file=sys.stderr)
-        return 2
-    try:
-        sources = [resolve_source(c, args.cache_dir) for c in args.corpora]
-        t0 = time.time()
-        path = train_bpe(sources, args.vocab_size, args.out, args.min_frequency)
-    except (DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror}", file=sys.stderr)
-        return 1
+        raise TokenizerError(f"--out {args.out} already holds {', '.join(p.name for p in existing)}: a run that uses it would see "
+                             f"another tokenizer; choose another folder, or --force to replace them (nothing was written)")
+    sources = [resolve_source(c, args.cache_dir) for c in args.corpora]
+    t0 = time.time()
+    path = train_bpe(sources, args.vocab_size, args.out, args.min_frequency)
     print(f"wrote {path} ({args.vocab_size} ids) in {time.time() - t0:.1f}s; use it with data.tokenizer={path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command(_main, argv)
 
 
 if __name__ == "__main__":

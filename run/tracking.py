@@ -41,7 +41,7 @@ class TensorBoard(Tracker):
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(TAGS[key], value, step)
+            self.writer.add_scalar(TAGS.get(key, key), value, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -72,7 +72,7 @@ class WandB(Tracker):
             self.run = wandb.init(resume="allow", **kwargs)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({TAGS[key]: value for key, value in values.items()}, step=step)
+        self.run.log({TAGS.get(key, key): value for key, value in values.items()}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -2,8 +2,8 @@
 folder, fsynced, given an ordinary mode, renamed over the final name, then the folder fsynced. A
 reader sees the old file or the new one, never a part (docs/design.md I8). Every file the project
 writes goes through here: the status, the metrics after a resume, the config copy, packed corpora,
-tokenizer files, exports. (Checkpoint folders are published by storage.publish, which fsyncs each
-file and the folder the same way and renames the folder.)
+tokenizer files, exports. (Checkpoint folders are published by checkpoint/storage.py, which fsyncs
+each file and the folder the same way and renames the folder.)
 """
 from __future__ import annotations
 

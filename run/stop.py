@@ -2,7 +2,7 @@
 
 SIGTERM (spot reclaim, torchrun's shutdown), SIGUSR1 (SLURM's pre-timeout warning) and SIGINT
 only set a flag once the run is under way. The loop sums every rank's flag at each optimizer-step
-boundary (`CheckpointManager.after_step`), so that when any rank was signalled all of them save at
+boundary (run/protocol.py: `Protocol.boundary`), so that when any rank was signalled all of them save at
 the same step and leave together; nobody waits on a collective that another rank already left
 (docs/design.md I9).
 
@@ -17,12 +17,10 @@ import os
 import signal
 import time
 
-
-EXIT_STOPPED = 75
-"""Exit code of a run that stopped early on a signal after saving: "resume me" (EX_TEMPFAIL)."""
+from common.outcome import Stopped
 
 
-class StopDuringSetup(BaseException):
+class StopDuringSetup(Stopped):
     """A stop signal before the run was under way (a BaseException, as KeyboardInterrupt is, so that
     no `except Exception` on the way swallows it)."""
 

@@ -1,51 +1,11 @@
-"""For people who only want the model: the fp16 weights file of a checkpoint, verified and loaded
-safely, and a sampler over it (`python -m checkpoint generate` uses both)."""
+"""Generation with a model in memory: sampling (temperature, top-k, top-p, repetition penalty) and
+ids generated one position at a time with a KV cache, under inference mode. Text and chat turns
+around it are the commands' (cli/)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
-from checkpoint import storage
-from data import tokenizer
-from model import KVCache, MiniMindLM, ModelConfig
-from model.formats import WeightsError, check_fits
-
-
-def load_tokenizer(path: Path):
-    """The tokenizer a checkpoint (or a run folder's newest) carries: its own tokenizer.json, read
-    verified, or the byte tokenizer when it has none."""
-    folder, manifest, _ = storage.find_checkpoint(path)
-    try:
-        return tokenizer.from_files(tokenizer_files(folder, manifest), str(folder))
-    except tokenizer.TokenizerError as e:
-        raise storage.CheckpointError(str(e)) from None
-
-
-def tokenizer_files(folder: Path, manifest: dict) -> dict[str, bytes]:
-    """The tokenizer files a verified checkpoint folder lists, each read once and checked against its sha256."""
-    return {name: storage.read_verified(folder, name) for name in storage.TOKENIZER_FILES if name in manifest["files"]}
-
-
-def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
-    """The model of a checkpoint (or a run folder's newest), from its fp16 weights file.
-
-    The folder is verified against its manifest first, the model's shape comes from the manifest's
-    config, and the weights are read with `weights_only=True`: nothing in the files can run.
-    """
-    folder, manifest, _ = storage.find_checkpoint(path)
-    try:
-        cfg = ModelConfig(**manifest["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
-    weights = storage.safe_load(folder / storage.WEIGHTS_FILE, map_location="cpu")
-    model = MiniMindLM(cfg)
-    try:  # a manifest whose config was edited describes another model than the weights hold
-        check_fits(weights, model.state_dict(), str(folder / storage.WEIGHTS_FILE))
-    except WeightsError as e:
-        raise storage.CheckpointError(f"{e}; the model is the one {folder / storage.MANIFEST}'s config describes") from None
-    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+from .model import KVCache, MiniMindLM
 
 
 def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
@@ -71,7 +31,6 @@ def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_
     return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
 
 
-@torch.no_grad()
 def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
     """ValueError naming the setting (and its command-line flag) that is outside its range."""
     import math
@@ -91,12 +50,14 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
         raise ValueError("; ".join(problems))
 
 
+@torch.inference_mode()
 def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, eos: int | None = None,
                  use_cache: bool = True, seed: int = 0) -> list[int]:
     """`prompt` and up to `max_new_tokens` generated ids (default: up to model.seq_len positions),
     ending early at `eos` (not included). With `use_cache`, each new id costs one position's forward
-    over the keys and values kept from before; without, the whole sequence is recomputed every time."""
+    over the keys and values kept from before; without, the whole sequence is recomputed every time.
+    Under inference mode: no autograd graph is kept, whatever the caller's mode."""
     limit = model.cfg.seq_len
     if not prompt:
         raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
@@ -122,26 +83,3 @@ def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | Non
         out.append(nxt)
         step = torch.tensor([[nxt]], dtype=torch.long, device=device)
     return out
-
-
-def generate(model: MiniMindLM, prompt: str, max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0,
-             tok=None, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, use_cache: bool = True) -> str:
-    """Continue the text `prompt` with `tok` (default: bytes): BOS + prompt, then sampled ids until EOS
-    or `max_new_tokens`; returns the decoded text (prompt included)."""
-    tok = tok or tokenizer.ByteTokenizer()
-    ids = generate_ids(model, tok.encode(prompt, bos=True), max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-                       tok.eos, use_cache, seed)
-    return tok.decode(ids[1:])
-
-
-def chat_reply(model: MiniMindLM, tok, messages: list[dict], max_new_tokens: int | None = None, temperature: float = 0.8,
-               seed: int = 0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0) -> tuple[str, list[int]]:
-    """The assistant's next turn after `messages`: the conversation rendered with the tokenizer's chat
-    template and its generation prompt (data/chat.py), then ids generated with the KV cache until the
-    tokenizer's EOS (`<|im_end|>`). Returns the reply's text (special tokens dropped) and its ids."""
-    from data.chat import template_of
-
-    prompt = tok.encode_rendered(template_of(tok).render(messages, add_generation_prompt=True))
-    ids = generate_ids(model, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, tok.eos, True, seed)
-    reply = ids[len(prompt):]
-    return tok.decode(reply), reply

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import atomic_write
-from .stop import EXIT_STOPPED
+from checkpoint.storage import CHECKPOINTS
+from common.files import atomic_write
+from common.outcome import BadInput, exit_code
 
 log = logging.getLogger("minimind")
 
@@ -31,17 +32,12 @@ LOCK = ".lock"
 STATUS = "status.json"
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
 LAUNCH_ENV = "MINIMIND_LAUNCH_ID"
 """Set by the launch scripts: the status records it, so a script knows the status is its launch's."""
 
-EXIT_CODES = {"finished": 0, "halted": 0, "stopped": EXIT_STOPPED}
-"""A run's exit code by its state; "failed" records its own (1: I/O, a damaged checkpoint, a bug;
-2: bad input or config). 75 (EX_TEMPFAIL, stop.EXIT_STOPPED) means: stopped on a signal with a
-published checkpoint, resume me."""
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(BadInput, RuntimeError):
     """The run folder cannot be used (held by another run, not a folder); the message says why."""
 
 
@@ -140,9 +136,13 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return rows
 
 
-def write_status(out_dir: Path, state: str, step: int | None = None, exit_code: int | None = None, cause: str | None = None) -> dict:
-    """Replace OUT/status.json atomically (the lock holder only)."""
-    record = {"state": state, "step": step, "exit_code": exit_code, "cause": cause,
+def write_status(out_dir: Path, outcome: str, step: int | None = None, cause: str | None = None) -> dict:
+    """Replace OUT/status.json atomically (the lock holder only). `outcome` is "running" or one of
+    common.outcome's; the state a person reads is the outcome, with bad input and a peer's failure
+    shown as "failed" (the outcome and its exit code say which)."""
+    state = "failed" if outcome in ("bad_input", "peer_failed") else outcome
+    code = None if outcome == "running" else exit_code(outcome)
+    record = {"state": state, "outcome": outcome, "step": step, "exit_code": code, "cause": cause,
               "launch_id": os.environ.get(LAUNCH_ENV), "pid": os.getpid(), "host": socket.gethostname(),
               "updated_unix": round(time.time(), 3)}
     atomic_write(Path(out_dir) / STATUS, json.dumps(record, indent=1) + "\n")

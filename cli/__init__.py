@@ -1,0 +1,361 @@
+"""The user commands, on the top floor: `python -m checkpoint VERB ...` (or `python -m cli VERB ...`).
+
+    inspect PATH                what a checkpoint holds, as JSON (model_sha256: the fp32 weights' sha256)
+    compare RUN_A RUN_B         are two runs bit-identical: weights and every logged loss (exit 0 identical, 1 not)
+    generate PATH --prompt ...  continue a prompt with the fp16 weights (KV cache; temperature, top-k, top-p, ...)
+    chat PATH [--prompt ...]    a fine-tuned run's reply with the tokenizer's chat template
+    export PATH --format minimind|hf --out OUT
+                                MiniMind's state dict (fp16 .pth) or a Hugging Face folder with the tokenizer
+    plot RUN [RUN ...] --out FILE.png
+                                loss, validation loss and LR against the step (matplotlib: requirements-extra.txt)
+    status RUN [--exit-code]    the run's state and who holds its folder; with --exit-code, exit with the run's
+                                code (the launch scripts use it: torchrun's own status does not say "resume me")
+    convert RUN                 turn checkpoints of the earlier layout (a resume.pth file) into this one, in place
+
+PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
+checkpoint; inspect lists every checkpoint with its validity). Every file is read verified against
+the manifest, with nothing pickled run. Exit codes are common/outcome.py's: 0 success, 2 bad input
+(a path that is not a checkpoint, a damaged or tampered one), 1 an I/O failure; compare: 1 when
+the runs differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from checkpoint import format, storage
+from common.outcome import EXIT_CODES, BadInput, command, exit_code
+from run import folder
+
+
+class CommandError(BadInput):
+    """A command given a path or an argument it cannot use; the message says which and why."""
+
+
+def inspect_checkpoint(path: Path, manifest: dict) -> dict:
+    """Describe a checkpoint folder whose manifest is `manifest` (its files present; each read is verified)."""
+    from model import MiniMindLM
+
+    from weights.ours import model_config
+
+    metadata = storage.read_metadata(path, manifest)
+    model = storage.read_tensors(path, manifest, "model.")
+    sha = storage.model_sha256(model)
+    keys = format.keys(metadata)
+    return {
+        "path": str(path),
+        "step": manifest["step"],
+        "epoch": manifest.get("epoch"),
+        "samples_seen": manifest.get("samples_seen"),
+        "world_size": manifest.get("world_size"),
+        "global_batch": manifest.get("global_batch"),
+        "micro_batch": manifest.get("micro_batch"),
+        "accum": manifest.get("accum"),
+        "threads": manifest.get("threads"),
+        "reduce": manifest.get("reduce"),
+        "strategy": manifest.get("strategy"),
+        "run_id": manifest.get("run_id"),
+        "model_sha256": sha,
+        "manifest_model_sha256_matches": manifest.get("model_sha256") == sha,
+        "parameters": MiniMindLM(model_config(path, manifest)).num_parameters(),
+        "optimizer_state_bytes": format.tensor_bytes(metadata, "optimizer.state."),
+        "ranks_with_rng_state": len({k.split(".")[1] for k in keys if k.startswith("rng.")}),
+        "data_fingerprint": {k: (manifest.get("data_fingerprint") or {}).get(k) for k in (
+            "source", "source_sha256", "tokenizer", "tokenizer_source", "vocab_size", "dtype", "seq_len", "num_samples")},
+        "files": {name: entry["bytes"] for name, entry in manifest["files"].items()},
+    }
+
+
+def inspect_path(path: Path) -> dict:
+    """A checkpoint folder, or a run folder: its newest valid checkpoint, with every checkpoint listed."""
+    found, manifest, listing = storage.find_checkpoint(path, verify_all=True)
+    if not listing:  # a checkpoint folder
+        return inspect_checkpoint(found, manifest)
+    return {**inspect_checkpoint(found, manifest), "checkpoints": [
+        {"step": step, "path": str(f), "valid": error is None, **({"error": error} if error else {})} for step, f, error in listing]}
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    if not (run / folder.METRICS).exists():
+        return []
+    try:
+        return [(int(m["step"]), float(m["loss"])) for m in folder.read_metrics(run)]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CommandError(f"{run / folder.METRICS}: a line without a numeric 'step' and 'loss' ({type(e).__name__}: {e})") from None
+
+
+def compare_runs(a: Path, b: Path) -> dict:
+    """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
+    `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
+    from weights.ours import checkpoint_weights
+
+    (_, ma, _, wa), (_, mb, _, wb) = checkpoint_weights(a), checkpoint_weights(b)
+    sha_a, sha_b = storage.model_sha256(wa), storage.model_sha256(wb)
+    max_dw = max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if k in wb and wa[k].shape == wb[k].shape),
+                 default=float("nan"))
+    la, lb = _losses(a), _losses(b)
+    steps_equal = [s for s, _ in la] == [s for s, _ in lb]
+    dloss = [abs(x - y) for (_, x), (_, y) in zip(la, lb)]
+    return {
+        "identical": sha_a == sha_b and steps_equal and la == lb,
+        "model_sha256": [sha_a, sha_b],
+        "step": [ma["step"], mb["step"]],
+        "max_abs_weight_diff": max_dw,
+        "logged_steps": [len(la), len(lb)],
+        "losses_equal": steps_equal and la == lb,
+        "max_abs_loss_diff": max(dloss, default=0.0),
+        "first_differing_step": next((s for (s, x), (_, y) in zip(la, lb) if x != y), None),
+    }
+
+
+def status(args: argparse.Namespace) -> int:
+    """Print the run's status record; with --exit-code, the exit code a scheduler should see: the
+    run's recorded outcome when this launch recorded one, else what the launcher's own code says
+    (a launcher stopped by a signal: stopped; anything else it says: failed)."""
+    # A stop the launch script passed on, or a launcher that a signal ended (runtime/launch.py: 128 + signal).
+    stopped = bool(args.stopped) or args.fallback > 128
+    fallback = exit_code("stopped") if stopped else args.fallback if args.fallback in set(EXIT_CODES.values()) else exit_code("failed")
+    if not args.run.is_dir():
+        if not args.exit_code:
+            raise CommandError(f"{args.run}: not a run folder")
+        print(f"status: {args.run} does not exist yet; exit {fallback}", file=sys.stderr)  # the run never got as far as its folder
+        return fallback
+    # Wait for this launch's workers that outlived their torchrun (finishing a save); another run
+    # that holds the folder (this launch waited for it and was stopped) is not waited for.
+    holder = folder.read_holder(args.run)
+    ours = not args.launch_id or not holder or holder.get("launch_id") == args.launch_id
+    if args.exit_code and ours and not folder.wait_until_free(args.run, args.wait_s):
+        print(f"status: {args.run} is still held by {folder.describe_holder(folder.read_holder(args.run))} after {args.wait_s:g} s",
+              file=sys.stderr)
+        return fallback
+    record = folder.read_status(args.run)
+    held = not folder.wait_until_free(args.run, 0)
+    print(json.dumps({**(record or {"state": None}), "held_by": folder.read_holder(args.run) if held else None}, indent=1))
+    if not args.exit_code:
+        return 0
+    if record is None or (args.launch_id and record.get("launch_id") != args.launch_id):
+        print(f"status: {args.run} has no status from this launch; exit {fallback} from the launcher's code {args.fallback}", file=sys.stderr)
+        return fallback
+    if record["state"] == "running":  # the holder is gone without a word: killed
+        print(f"status: the run in {args.run} died without recording an outcome (killed?)", file=sys.stderr)
+        return fallback
+    return exit_code(record.get("outcome") or record["state"])
+
+
+def plot(runs: list[Path], out: Path) -> int:
+    """Loss (solid), validation loss (dots) and LR (below) against the optimizer step, one colour per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("error: plot needs matplotlib: pip install -r requirements-extra.txt", file=sys.stderr)
+        return 2
+    formats = set(plt.gcf().canvas.get_supported_filetypes())
+    plt.close("all")
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise folder.RunFolderError(f"--out {out}: unknown image extension {out.suffix or '(none)'!r}; expected one of "
+                                       f"{', '.join('.' + f for f in sorted(formats))}")
+    if not out.parent.is_dir():
+        raise folder.RunFolderError(f"--out {out}: the folder {out.parent} does not exist")
+    every = {}
+    for run in runs:
+        rows = folder.read_metrics(run)
+        for lineno, row in enumerate(rows, 1):
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), (int, float)) for k in ("step", "loss", "lr")):
+                raise folder.RunFolderError(f"{run / folder.METRICS}:{lineno}: a metrics line needs numeric 'step', 'loss' and 'lr'")
+        every[run] = rows
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for i, (run, rows) in enumerate(every.items()):
+        colour, name = f"C{i}", run.name
+        top.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=colour, label=f"{name} train")
+        val = [r for r in rows if "val_loss" in r]
+        if val:
+            top.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=colour, label=f"{name} validation")
+        bottom.plot([r["step"] for r in rows], [r["lr"] for r in rows], color=colour)
+    top.set_ylabel("loss (nats/token)")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("LR")
+    bottom.set_xlabel("optimizer step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+    return 0
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to whatever sys.stderr is when a line is logged."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass
+
+
+def generate_text(model, prompt: str, max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0, tok=None,
+                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, use_cache: bool = True) -> str:
+    """Continue the text `prompt` with `tok` (default: bytes): BOS + prompt, then sampled ids until
+    EOS or `max_new_tokens`; the decoded text, prompt included."""
+    from data.tokenizer import ByteTokenizer
+    from model.generate import generate_ids
+
+    tok = tok or ByteTokenizer()
+    ids = generate_ids(model, tok.encode(prompt, bos=True), max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                       tok.eos, use_cache, seed)
+    return tok.decode(ids[1:])
+
+
+def chat_reply(model, tok, messages: list[dict], max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0,
+               top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0) -> tuple[str, list[int]]:
+    """The assistant's next turn after `messages`: the conversation rendered with the tokenizer's chat
+    template and its generation prompt (data/chat.py), then ids generated with the KV cache until the
+    tokenizer's EOS (`<|im_end|>`). Returns the reply's text (special tokens dropped) and its ids."""
+    from data.chat import template_of
+    from model.generate import generate_ids
+
+    prompt = tok.encode_rendered(template_of(tok).render(messages, add_generation_prompt=True))
+    ids = generate_ids(model, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, tok.eos, True, seed)
+    reply = ids[len(prompt):]
+    return tok.decode(reply), reply
+
+
+def chat(args) -> int:
+    """`chat RUN [--prompt TEXT]`: one turn, or a conversation on the terminal."""
+    from weights import load_model, load_tokenizer
+
+    model, tok = load_model(args.path), load_tokenizer(args.path)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(text: str) -> str:
+        messages.append({"role": "user", "content": text})
+        try:
+            answer, _ = chat_reply(model, tok, messages, args.tokens, args.temperature, args.seed, args.top_k, args.top_p,
+                                   args.repetition_penalty)
+        except ValueError as err:  # the conversation no longer fits the model's positions
+            raise CommandError(f"chat: {err} (start a new conversation)") from None
+        messages.append({"role": "assistant", "content": answer})
+        return answer
+
+    if args.prompt is not None:
+        print(reply(args.prompt))
+        return 0
+    print("(an empty line or end of input ends the conversation)", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ")
+        except EOFError:
+            return 0
+        if not text.strip():
+            return 0
+        print(f"model> {reply(text)}", flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("inspect", help="print a checkpoint's step, geometry, model_sha256 and files as JSON")
+    p.add_argument("path", type=Path)
+    c = sub.add_parser("compare", help="compare two run folders: model_sha256 and every logged loss (exit 0 when identical)")
+    c.add_argument("run_a", type=Path)
+    c.add_argument("run_b", type=Path)
+    g = sub.add_parser("generate", help="load the fp16 weights (verified, weights_only) and continue a prompt")
+    g.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    g.add_argument("--prompt", default="Return the ")
+    g.add_argument("--tokens", type=int, default=None, help="new tokens at most (default: up to model.seq_len positions)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest ids (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages ids already in the text")
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow; for checks)")
+    g.add_argument("--seed", type=int, default=0)
+    ch = sub.add_parser("chat", help="talk to a fine-tuned run: the tokenizer's chat template, generation until <|im_end|>")
+    ch.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    ch.add_argument("--prompt", help="one user turn: print the reply and exit (default: interactive, the history kept)")
+    ch.add_argument("--system", help="a system turn in front of the conversation")
+    ch.add_argument("--tokens", type=int, default=None, help="new tokens per reply at most (default: up to model.seq_len positions)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    ch.add_argument("--top-k", type=int, default=0)
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--repetition-penalty", type=float, default=1.0)
+    ch.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf)")
+    e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
+    e.add_argument("--format", required=True, choices=("minimind", "hf"))
+    e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf) to create")
+    pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
+    pl.add_argument("runs", type=Path, nargs="+")
+    pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    st = sub.add_parser("status", help="print the run's state (status.json) and who holds the run folder")
+    st.add_argument("run", type=Path)
+    st.add_argument("--exit-code", action="store_true",
+                    help="wait until no process holds the folder, then exit with the run's exit code (75: stopped, resume me)")
+    st.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
+    st.add_argument("--fallback", type=int, default=1,
+                    help="with --exit-code: the launcher's own exit code, used when the status is not this launch's (default 1)")
+    st.add_argument("--wait-s", type=float, default=300.0, help="with --exit-code: how long to wait for the folder's holder")
+    st.add_argument("--stopped", type=int, choices=(0, 1), default=0,
+                    help="with --exit-code: 1 when the launcher passed a stop signal on; an outcome this launch never recorded is then 75")
+    cv = sub.add_parser("convert", help="convert checkpoints of the earlier layout (resume.pth) into this one, in place")
+    cv.add_argument("path", type=Path, help="a run folder (every old checkpoint in it) or one checkpoint folder")
+    return parser
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    # Which checkpoint a command used, and a newer one skipped as damaged, go to stderr.
+    log = logging.getLogger("minimind")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    try:
+        if args.verb == "status":
+            return status(args)
+        if args.verb == "plot":
+            return plot(args.runs, args.out)
+        if args.verb == "chat":
+            return chat(args)
+        if args.verb == "generate":
+            from weights import load_model, load_tokenizer
+
+            try:
+                print(generate_text(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
+                                    args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
+            except ValueError as err:  # a request the model cannot serve (past its positions)
+                raise CommandError(f"generate: {err}") from None
+            return 0
+        if args.verb == "export":
+            from weights import export
+
+            try:
+                print(f"wrote {export(args.path, args.format, args.out)}")
+            except OSError as err:
+                raise OSError(err.errno, f"{err.strerror}; nothing was written", err.filename or str(args.out)) from None
+            return 0
+        if args.verb == "convert":
+            from .convert import convert
+
+            return convert(args.path)
+        if args.verb == "inspect":
+            print(json.dumps(inspect_path(args.path), indent=1))
+            return 0
+        result = compare_runs(args.run_a, args.run_b)
+        print(json.dumps(result, indent=1))
+        return 0 if result["identical"] else 1
+    except storage.CheckpointError as e:  # a checkpoint this command cannot use is bad input to it
+        raise CommandError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command(_run, argv)

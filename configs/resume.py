@@ -1,0 +1,30 @@
+"""What a resume must keep (else it is refused, naming each) and what it may change (with a
+warning that says what the change costs), as dotted paths into a checkpoint's manifest
+(checkpoint/manager.py: RunMeta) with the name users know."""
+from __future__ import annotations
+
+MUST_MATCH = {
+    "config.seed": "seed", "global_batch": "train.global_batch",
+    **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "files", "tokenizer", "seq_len", "num_samples", "options")},
+    "data_fingerprint.order": "data.order",
+}
+_DIFFERS = "the optimization from here on differs from the uninterrupted run"
+MAY_CHANGE = {
+    "config.train.steps": ("train.steps", "the LR schedule from here on spans the new count"),
+    "config.train.dtype": ("train.dtype", "autocast changes the arithmetic: not bit-identical to the uninterrupted run"),
+    **{f"config.train.{k}": (f"train.{k}", _DIFFERS)
+       for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
+    "threads": ("intra-op threads per process", "floating-point results differ, so bit-equality with an uninterrupted run is not promised"),
+    "config.dist.reduce": ("dist.reduce", "the gradients are summed in another order: not bit-identical to the uninterrupted run"),
+    "strategy": ("dist.strategy", "the checkpoint's states are loaded exactly (DCP reshards them); the gradients are reduced by "
+                 "the other strategy's reduction from here on, which gives the uninterrupted run's bits under dist.reduce=canonical "
+                 "only"),
+    "config.runtime.deterministic": ("runtime.deterministic", "other kernels may run: bit-equality with the uninterrupted run is not promised"),
+}
+
+
+def policy(model_keys) -> tuple[dict, dict]:
+    """(must_match, may_change) of a run whose model config has `model_keys`: every model key must
+    match, but model.init_from, which names where a run began (a resume continues it whatever the
+    key says now)."""
+    return MUST_MATCH | {f"config.model.{k}": f"model.{k}" for k in model_keys if k != "init_from"}, MAY_CHANGE

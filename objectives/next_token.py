@@ -1,0 +1,72 @@
+"""Next-token prediction, the objective of pretraining and SFT: each micro-batch's loss, and the
+validation loss (docs/design.md I15, I17)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class NextToken:
+    """A micro-batch's loss for text rows (input, target) or chat rows (input, target with -100
+    where nothing is taught, positions). For chat data, a step's loss is the sum over every taught
+    token of the global batch divided by their global count, never a mean of micro-batch means
+    (docs/design.md I17): `begin_step` reads the count from the per-row counts packing stored (no
+    collective), and each micro-batch's summed loss is scaled by M / count, so that what the
+    reducers average over the M micro-batches is that quotient, whatever the split."""
+
+    def __init__(self, dataset, micro_batches: int, chat: bool) -> None:
+        self.dataset, self.micro_batches, self.chat = dataset, micro_batches, chat
+        self.taught: int | None = None
+
+    def begin_step(self, indices: list[int]) -> None:
+        """The step's global sample indices (every rank's micro-batches)."""
+        self.taught = self.dataset.taught(indices) if self.chat else None
+
+    def loss(self, net, batch, device) -> torch.Tensor:
+        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+        if not self.chat:
+            return net(x, y)[1]
+        _, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
+        return loss * self.micro_batches / self.taught
+
+
+@torch.no_grad()
+def evaluate(model, val, micro: int, samples: int, rt, autocast, sharded: bool) -> float:
+    """The validation loss: the mean over the first `samples` validation samples (0: all) of each
+    sample's mean token loss (over its taught tokens for chat rows). The samples are cut into
+    blocks of `micro` whatever the world size, rank r computes blocks b = r (mod W), and every rank
+    sums the per-sample losses in sample order (float64): the same number on any world size and in
+    both reduction modes, for the same weights and thread count. No training randomness is drawn
+    and no training state changes (docs/design.md I15)."""
+    n = min(samples or len(val), len(val))
+    nblocks = (n + micro - 1) // micro
+    blocks = range(rt.rank, nblocks, rt.world_size)
+    mine: list[tuple[int, list[float]]] = []
+    was_training = model.training
+    model.eval()
+    # Under fsdp every rank must run each forward (its all-gathers are collectives): a rank with
+    # fewer blocks runs its first block again and drops the result.
+    rounds = -(-nblocks // rt.world_size) if sharded else len(blocks)
+    with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+        for k in range(rounds):
+            b = blocks[k] if k < len(blocks) else None
+            at = blocks[0] if b is None and blocks else (b or 0)
+            rows = [val[i] for i in range(at * micro, min((at + 1) * micro, n))]
+            x = torch.stack([r[0] for r in rows]).to(rt.device)
+            y = torch.stack([r[1] for r in rows]).to(rt.device)
+            pos = torch.stack([r[2] for r in rows]).to(rt.device) if len(rows[0]) == 3 else None  # chat rows
+            with autocast:
+                logits, _ = model(x, positions=pos)
+            token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(len(rows), -1).double()
+            if b is None:
+                continue
+            if pos is None:
+                mine.append((b, token_loss.mean(1).tolist()))
+            else:  # a row's loss: the mean over its taught tokens (cross_entropy gives 0 where the target is -100)
+                mine.append((b, (token_loss.sum(1) / (y != -100).sum(1)).tolist()))
+    model.train(was_training)
+    per_sample = [loss for _, losses in sorted(pair for part in rt.all_gather(mine) for pair in part) for loss in losses]
+    total = 0.0
+    for loss in per_sample:  # in sample order: the sum does not depend on who computed what
+        total += loss
+    return total / len(per_sample)

@@ -1,0 +1,104 @@
+"""What a run tells: OUT/metrics.jsonl (one line per optimizer step), the tracker's curves, the
+progress bar and the human lines, on global rank 0; resumed like the weights (docs/design.md I11,
+I15); and the closing line."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from checkpoint.storage import CheckpointError
+
+from . import tracking
+
+log = logging.getLogger("minimind")
+TIMING = ("tokens_per_s", "step_s", "elapsed_s")
+"""The only fields of a metrics line that differ between an interrupted run and the one that was not."""
+
+
+def truncate(path: Path, step: int) -> int:
+    """Drop metrics lines past `step` (and any half-written line) so that a resumed log equals an
+    uninterrupted one (docs/design.md I11); the kept lines must be exactly steps 1..step, else
+    CheckpointError (a log with a gap, e.g. after a power loss, is not silently continued). Returns
+    the number of lines kept."""
+    from common.files import atomic_write
+
+    if not path.exists():
+        return 0
+    kept, steps = [], []
+    for line in path.read_text().splitlines():
+        try:
+            s = json.loads(line)["step"]
+            if s <= step:
+                kept.append(line)
+                steps.append(s)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if steps != list(range(1, step + 1)):
+        missing = sorted(set(range(1, step + 1)) - set(steps))
+        raise CheckpointError(
+            f"{path}: the log up to the resumed step {step} should hold steps 1..{step} once each, but "
+            f"{f'lacks steps {missing[:10]}' if missing else 'repeats or misorders steps'}{' ...' if len(missing) > 10 else ''}; "
+            f"a resumed log would not equal the uninterrupted one. Move the file aside to resume (the new log then "
+            f"starts at step {step + 1})")
+    atomic_write(path, "".join(k + "\n" for k in kept))
+    return len(kept)
+
+
+class Metrics:
+    """One line per optimizer step on rank 0 (`file`: OUT/metrics.jsonl, opened for appending after
+    the resume truncated it), the tracker's curves, the bar and a human line every `every` steps."""
+
+    def __init__(self, path: Path | None, tracker: tracking.Tracker, steps: int, start: int, every: int, tokens_per_step: int,
+                 progress: bool) -> None:
+        from tqdm import tqdm
+
+        self.file = open(path, "a") if path is not None else None
+        self.tracker, self.steps, self.every, self.tokens_per_step = tracker, steps, every, tokens_per_step
+        # The bar starts at the resumed step; on a terminal only (a log file gets the step lines).
+        self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, mininterval=1.0, disable=not (progress and sys.stderr.isatty()))
+        self.t0 = time.perf_counter()
+        self.losses: list[float] = []
+        self.val_loss: tuple[int, float] | None = None
+
+    def step(self, record: dict, seconds: float) -> None:
+        """Log optimizer step `record["step"]`: its loss, LR, data position and whatever the objective
+        measured (`record`), and how long it took. Raises what writing the line raises (the loop
+        votes on it at the boundary: run/protocol.py)."""
+        step, loss = record["step"], record["loss"]
+        self.losses.append(loss)
+        if "val_loss" in record:
+            self.val_loss = (step, record["val_loss"])
+        self.bar.update(1)
+        if self.file is None:
+            return
+        rec = {**record, "tokens_per_s": round(self.tokens_per_step / seconds, 1), "step_s": round(seconds, 5),
+               "elapsed_s": round(time.perf_counter() - self.t0, 4)}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        self.tracker.log(step, {k: v for k, v in rec.items() if k in tracking.TAGS or "/" in k})
+        if step % self.every == 0 or step == self.steps:
+            extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in rec.items() if k == "val_loss" or "/" in k)
+            log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s%s", step, self.steps, rec["epoch"], loss, rec["lr"],
+                     f"{rec['tokens_per_s']:,.0f}", extra)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.tracker.close()
+        if self.file is not None:
+            self.file.close()
+
+    def report(self, end: str, step: int, yardstick: float) -> None:
+        """The closing line on rank 0: how the run ended, its last losses against `yardstick` (the
+        corpus's unigram entropy; NaN: no yardstick, e.g. a chat run's taught tokens)."""
+        if not self.losses:
+            log.info("nothing to do: the run is at step %d of %d", step, self.steps)
+            return
+        tail = self.losses[-min(10, len(self.losses)):]
+        against = f"the corpus's unigram entropy: {yardstick:.4f}" if not math.isnan(yardstick) else "over the taught tokens"
+        val = f"; validation loss {self.val_loss[1]:.4f} at step {self.val_loss[0]}" if self.val_loss else ""
+        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (%s)%s", end, step, self.losses[-1], len(tail),
+                 sum(tail) / len(tail), against, val)

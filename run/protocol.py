@@ -1,0 +1,101 @@
+"""The failure protocol: how every rank learns how the run ends, whichever rank failed and wherever
+(docs/design.md I9; docs/run_folder.md, "When a rank fails").
+
+One rule, that no rank waits in a collective another rank has left, kept by three pieces:
+
+- Agreement points. Set-up, the resume, and every step boundary end in one collective over every
+  rank's outcome (`agree`, `boundary`). A rank whose rank-local work failed (the packing, the
+  metrics line, config.yaml, a background save) brings its error there instead of raising, and
+  every rank raises the same RankFailed, naming the failing rank and its error.
+- The board: keys on the launch's c10d store, which every rank already holds. A rank that fails
+  where it cannot reach the next agreement point (inside a forward pass, a collective, a set-up
+  step its peers are not at) posts its failure there (`post`) before it leaves; a peer whose
+  collective then breaks (gloo: the connection closes at once), or whom torchrun stops, reads it
+  (`posted`) and names that rank and its error instead of "connection closed" or "stopped".
+- Waits that must be long (a node's packer) read a heartbeat on the board with a stall limit
+  (runtime/board.py: `wait_for`), never a collective with a timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+from common.outcome import BadInput, Failed, RankFailed, outcome_of
+
+log = logging.getLogger("minimind")
+
+
+def describe(e: BaseException) -> str:
+    """One line for an error: the message of the errors this repository raises, the file and cause
+    of an I/O error, the type and message of anything else (a bug)."""
+    if isinstance(e, RankFailed):
+        return e.message
+    if isinstance(e, OSError) and not isinstance(e, BadInput):
+        name = f"{e.filename}: " if e.filename else ""
+        return f"{name}{e.strerror or e}"
+    if isinstance(e, (BadInput, Failed)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def cause_rank(e: BaseException, rank: int) -> int:
+    """The rank whose failure `e` is: its own, or the one a collective failure names (DCP gathers
+    every rank's failures and raises them on every rank: `failed_rank`)."""
+    failed = getattr(e, "failed_rank", None)
+    return failed if isinstance(failed, int) else rank
+
+
+class Protocol:
+    """The agreement points and the board of one launch; `comm` is the run's runtime (rank,
+    world_size, sum, all_gather, and its board: runtime/board.py)."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.board = comm, comm.board
+        self.phase = "set-up"
+        """Where the run is (set-up, resume, training): what a failure posted on the board says."""
+
+    # ------------------------------------------------------------------ agreement points
+    def agree(self, phase: str, error: BaseException | None) -> None:
+        """Collective: every rank brings its outcome of `phase` (its error, or None); if any failed,
+        every rank raises the same RankFailed naming the first failing rank and its error."""
+        mine = None if error is None else (outcome_of(error, self.comm.rank), describe(error), cause_rank(error, self.comm.rank))
+        outcomes = self.comm.all_gather(mine)
+        for rank, outcome in enumerate(outcomes):
+            if outcome is not None:
+                kind = "bad_input" if outcome[0] == "bad_input" else "failed"
+                raise RankFailed(outcome[2], kind, outcome[1], phase) from (error if rank == self.comm.rank else None)
+
+    def boundary(self, stop: bool, error: BaseException | None) -> bool:
+        """The one collective of a step boundary: did any rank get a stop signal (returned), did any
+        rank fail since the last boundary (then every rank raises RankFailed, after a second
+        collective that tells them who and why)."""
+        stops, failures = self.comm.sum([float(stop), float(error is not None)])
+        if failures:
+            self.agree("training", error)
+        return stops > 0
+
+    # ------------------------------------------------------------------ the board
+    def post(self, phase: str, error: BaseException) -> None:
+        """Leave this rank's failure on the board for the others (the first posted is the cause).
+        Never raises: a rank on its way out must not fail again here."""
+        try:
+            self.board.post_failure({"rank": self.comm.rank, "outcome": outcome_of(error, self.comm.rank),
+                                     "message": describe(error), "phase": phase, "host": socket.gethostname(), "pid": os.getpid()})
+        except Exception:  # noqa: BLE001 - the store is gone too: the log has this rank's error
+            pass
+
+    def posted(self) -> RankFailed | None:
+        """Another rank's failure from the board, or None (only this rank's own, none, or no store)."""
+        return self.board.failure_of_another(self.comm.rank)
+
+
+def attempt(fn: Callable, *args, **kwargs) -> BaseException | None:
+    """Run rank-local work whose failure is brought to the next agreement point instead of raised:
+    the exception, or None."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - voted on at the next agreement point, then raised on every rank
+        return e
+    return None
