@@ -286,11 +286,12 @@ def conclude(e: BaseException, stop: StopFlag, rt: runtime.Runtime | None, proto
     this rank saw (a broken collective, torchrun's stop); a signal is a stop; anything else is this
     rank's own failure, posted on the board for the others before this rank leaves."""
     me = rt.rank if rt else 0
-    if isinstance(e, RankFailed):
-        return outcome_of(e, me), e.describe(me)
     if cause_rank(e, me) != me:  # a collective failure every rank raised alike (DCP's), naming the rank it was
-        failure = RankFailed(cause_rank(e, me), outcome_of(e, me), describe_error(e), getattr(protocol, "phase", ""))
-        return outcome_of(failure, me), failure.describe(me)
+        e = RankFailed(cause_rank(e, me), outcome_of(e, me), describe_error(e), getattr(protocol, "phase", ""))
+    if isinstance(e, RankFailed):  # agreed; posted too, for a rank that torchrun stops before it has read it
+        if protocol is not None:
+            protocol.post(protocol.phase, e)
+        return outcome_of(e, me), e.describe(me)
     peer = protocol.posted() if protocol else None
     if peer is not None:
         return outcome_of(peer, me), peer.describe(me)
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         protocol = Protocol(rt)
         lock = take_run_folder(cfg, rt)
         outcome, step = train(cfg, rt, stop, protocol)
+        if outcome != "stopped" and stop.poll():  # the signal came during the final save: the run is complete, and stopped
+            log.info("%s arrived during the final save: the checkpoint of step %d is published; exit %d as for any stop "
+                     "(a resume has nothing left to do)", stop.signal, step, exit_code("stopped"))
+            outcome = "stopped"
         clean = True
     except BaseException as e:
         outcome, message = conclude(e, stop, rt, protocol)

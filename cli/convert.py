@@ -46,11 +46,20 @@ def _verified(folder: Path, body: dict) -> dict[str, bytes]:
     return out
 
 
-def convert_folder(folder: Path) -> Path:
-    """Rewrite one checkpoint of the earlier layout in this one; returns the new folder (same name)."""
+def states_of(config: dict) -> tuple[dict, object, object]:
+    """The states a run of `config` (a resolved config, as a manifest records it) checkpoints, built
+    on one process: ({"model", "optimizer", "train"}, the model, the optimizer)."""
     from model import MiniMindLM, ModelConfig
     from objectives.optim import make_optimizer
     from run.state import TrainState
+
+    model = MiniMindLM(ModelConfig(**config["model"]))
+    opt = make_optimizer(model, SimpleNamespace(**config["train"]))
+    return {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": TrainState()}, model, opt
+
+
+def convert_folder(folder: Path) -> Path:
+    """Rewrite one checkpoint of the earlier layout in this one; returns the new folder (same name)."""
     from runtime import Runtime
 
     from . import CommandError
@@ -60,9 +69,7 @@ def convert_folder(folder: Path) -> Path:
     files = _verified(folder, _old_manifest(folder))
     payload = storage.safe_load_bytes(files["resume.pth"], folder / "resume.pth")
     config, sharded = payload["config"], bool(payload.get("sharded"))
-    model = MiniMindLM(ModelConfig(**config["model"]))
-    opt = make_optimizer(model, SimpleNamespace(**config["train"]))
-    states = {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": TrainState()}
+    states, model, opt = states_of(config)
     if sharded:  # the model and optimizer are DCP files already, under the same names this layout uses
         entries = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
         metadata = format.read_metadata(files["shards/.metadata"], folder / "shards/.metadata")

@@ -80,14 +80,18 @@ class Protocol:
     def post(self, phase: str, error: BaseException) -> None:
         """Leave this rank's failure on the board for the others (the first posted is the cause).
         Never raises: a rank on its way out must not fail again here."""
+        if isinstance(error, RankFailed):  # an agreed failure: its cause, for a rank torchrun stops before it read it
+            record = {"rank": error.rank, "outcome": error.outcome, "message": error.message, "phase": error.phase or phase}
+        else:
+            record = {"rank": cause_rank(error, self.comm.rank), "outcome": outcome_of(error, self.comm.rank),
+                      "message": describe(error), "phase": phase}
         try:
-            self.board.post_failure({"rank": self.comm.rank, "outcome": outcome_of(error, self.comm.rank),
-                                     "message": describe(error), "phase": phase, "host": socket.gethostname(), "pid": os.getpid()})
+            self.board.post_failure({**record, "host": socket.gethostname(), "pid": os.getpid()})
         except Exception:  # noqa: BLE001 - the store is gone too: the log has this rank's error
             pass
 
     def posted(self) -> RankFailed | None:
-        """Another rank's failure from the board, or None (only this rank's own, none, or no store)."""
+        """A failure of another rank from the board, or None (only this rank's own, none, or no store)."""
         return self.board.failure_of_another(self.comm.rank)
 
 

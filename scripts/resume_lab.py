@@ -7,16 +7,15 @@ the reference bit for bit; then one resume at 30 per piece of state left out, an
 each from the reference at every step from 30 to 60. Every run is train.py itself: in this process
 for one process (train.main), under torchrun for more. A piece is left out by editing a copy of the
 step-30 checkpoint before a normal resume (a fresh optimizer state, the data position rewound, fp16
-weights, MiniMind's step rescale), except the LR schedule, which the lab restarts by shifting
-train.lr_at in the process it launches: the trainer has no lab switches. Prints a markdown table,
+weights, MiniMind's step rescale: the states loaded on one process, edited, and written again by the
+trainer's own save path), except the LR schedule, which the lab restarts by shifting train.lr_at in
+the process it launches: the trainer has no lab switches. Prints a markdown table,
 writes OUT/results.json and, with matplotlib installed, OUT/distance.png.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import io
 import json
 import logging
 import shutil
@@ -32,9 +31,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import train  # noqa: E402
-from checkpoint import runfolder, storage  # noqa: E402
+from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, format, storage  # noqa: E402
+from cli.convert import states_of  # noqa: E402
 from data import PackedDataset, pack, resolve_source  # noqa: E402
-from inference import load_model  # noqa: E402
+from run import folder as runfolder  # noqa: E402
+from runtime import Runtime  # noqa: E402
+from weights import load_model, tokenizer_files  # noqa: E402
 
 ABLATIONS = {
     "optimizer": "optimizer state (a fresh AdamW)",
@@ -76,42 +78,53 @@ def step_folder(run: Path, step: int) -> Path:
 
 
 def weights_at(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return storage.safe_load(step_folder(run, step) / storage.RESUME_FILE)["model"]
+    folder = step_folder(run, step)
+    return storage.read_tensors(folder, storage.verify(folder))
 
 
 def edit_checkpoint(folder: Path, edit) -> Path:
-    """Rewrite a checkpoint's resume file through `edit(payload)`, reseal its manifest and rename
-    the folder after its (maybe edited) step: how the lab leaves a piece of state out before a
-    normal resume. Returns the folder's new path."""
-    path = folder / storage.RESUME_FILE
-    payload = storage.safe_load(path)
-    edit(payload)
-    torch.save(payload, path)
-    data = path.read_bytes()
-    manifest = json.loads((folder / storage.MANIFEST).read_text())
-    manifest["files"][storage.RESUME_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest.update(payload["train"])
-    (folder / storage.MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    return folder.rename(folder.with_name(storage.step_dir_name(payload["train"]["step"])))
+    """Load a checkpoint's states on one process, change them with `edit(model, optimizer,
+    train_state, manifest)`, and write them again through the trainer's own save path (every rank's
+    generator states as they were), as the checkpoint of the (maybe edited) step in the same run
+    folder: how the lab leaves a piece of state out before a normal resume. Returns its folder."""
+    manifest = storage.verify(folder)
+    states, model, opt = states_of(manifest["config"])
+    meta = RunMeta(**{k: manifest.get(k) for k in RunMeta.RECORDED}, files=tokenizer_files(folder, manifest))
+    run = folder.parent.parent
+    manager = CheckpointManager(CheckpointConfig(resume=str(folder), interval=0, keep=1 << 30), run, Runtime(), meta)
+    try:
+        manager.load(states)
+        metadata = storage.read_metadata(folder, manifest)
+        ranks = sorted(k.split(".")[1] for k in format.keys(metadata) if k.startswith("rng."))
+        blobs = format.load({"rng": {r: b"" for r in ranks}}, folder, manifest["files"], metadata, no_dist=True)["rng"]
+        edit(model, opt, states["train"], manifest)
+        shutil.rmtree(folder)  # the lab's copy: its edited states take its place
+        manager.save(states["train"].step, states, background=False, rng_states=[blobs[r] for r in ranks])
+    finally:
+        manager.close()
+    return step_folder(run, states["train"].step)
 
 
 def leave_out(case: str, folder: Path, old_world: int, new_world: int, steps_per_epoch: int) -> Path:
     """Edit the copied checkpoint so that the resume misses one piece of state (the one named)."""
 
-    def edit(payload: dict) -> None:
-        train_state = payload["train"]
+    def edit(model, opt, train_state, manifest: dict) -> None:
         if case == "optimizer":  # as if only the weights had been saved: AdamW's moments start at zero
-            payload["optimizer"]["state"] = {}
+            for state in opt.state.values():
+                for name, value in state.items():
+                    value.zero_()  # step 0, moments 0: the state a fresh AdamW makes at its first step
         elif case == "data_position":  # a loader without a skip: the epoch's order from its start
-            train_state["samples_seen"] = 0
+            train_state.samples_seen = 0
         elif case == "fp16_weights":  # MiniMind's resume file holds half-precision weights
-            payload["model"] = {k: v.half().float() for k, v in payload["model"].items()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.half().float())
         elif case == "minimind_world_size_rule":
             # MiniMind rescales its step counter by old // new world size, right for its fixed per-GPU
             # batch; here the global batch is fixed, so the counter (and the data with it) goes back.
-            step = train_state["step"] * old_world // new_world
+            step = train_state.step * old_world // new_world
             epoch, done = divmod(step, steps_per_epoch)
-            train_state.update(step=step, epoch=epoch, samples_seen=done * payload["global_batch"])
+            train_state.step, train_state.epoch, train_state.samples_seen = step, epoch, done * manifest["global_batch"]
 
     return edit_checkpoint(folder, edit) if case != "lr_schedule" else folder
 
@@ -138,19 +151,15 @@ def sample_accounting(halted: Path, run: Path, resumed_at: int, ref: Path) -> tu
 def sizes(ref: Path, steps: int) -> dict:
     """The seed's figures: file sizes, the optimizer's share, and what fp16 weights do to the logits."""
     folder = step_folder(ref, steps)
-    payload = storage.safe_load(folder / storage.RESUME_FILE)
-
-    def nbytes(obj) -> int:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return buf.tell()
-
-    resume, weights = (folder / storage.RESUME_FILE).stat().st_size, (folder / storage.WEIGHTS_FILE).stat().st_size
-    optimizer = nbytes(payload["optimizer"])
+    manifest = storage.verify(folder)
+    metadata = storage.read_metadata(folder, manifest)
+    resume = sum(e["bytes"] for name, e in manifest["files"].items() if name.startswith(f"{format.STATE}/"))
+    weights = (folder / storage.WEIGHTS_FILE).stat().st_size
+    optimizer = format.tensor_bytes(metadata, "optimizer.state.")
     fp16 = load_model(folder)  # the inference path: fp16 file -> fp32 model
     fp32 = type(fp16)(fp16.cfg)
-    fp32.load_state_dict(payload["model"])
-    cfg = payload["config"]
+    fp32.load_state_dict(storage.read_tensors(folder, manifest))
+    cfg = manifest["config"]
     bin_path, _ = pack(resolve_source(cfg["data"]["path"], Path(cfg["data"]["cache_dir"])), fp16.cfg.seq_len, Path(cfg["data"]["cache_dir"]))
     dataset = PackedDataset(bin_path, fp16.cfg.seq_len)
     batch = torch.stack([dataset[i][0] for i in range(8)])  # a fixed batch: the corpus's first 8 samples
@@ -158,7 +167,7 @@ def sizes(ref: Path, steps: int) -> dict:
         dlogit = (fp32.eval()(batch)[0] - fp16(batch)[0]).abs().max().item()
     return {
         "weights_fp16_bytes": weights,
-        "weights_fp32_bytes": nbytes(payload["model"]),
+        "weights_fp32_bytes": format.tensor_bytes(metadata, "model."),
         "resume_bytes": resume,
         "optimizer_state_bytes": optimizer,
         "optimizer_share_of_resume": optimizer / resume,
@@ -170,7 +179,7 @@ def sizes(ref: Path, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--as-train"]:  # a torchrun worker of the LR-schedule case: train.py, schedule shifted
-        from checkpoint.stop import ignore_stop_signals
+        from run.stop import ignore_stop_signals
 
         with lr_restarted_at(int(argv[1])):
             code = train.main(argv[2:])
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_loss = metrics(ref)[-1]["loss"]
     rows, curves = [], {}
 
-    spe = int(storage.safe_load(step_folder(halted, a.halt) / storage.RESUME_FILE)["data_fingerprint"]["num_samples"]) // int(
+    spe = int(storage.read_manifest(step_folder(halted, a.halt))["data_fingerprint"]["num_samples"]) // int(
         storage.read_manifest(step_folder(halted, a.halt))["global_batch"])
 
     def measure(name: str, label: str, nproc: int, case: str | None = None) -> None:
@@ -280,9 +289,9 @@ def table(r: dict) -> str:
         "|---|---|",
         f"| weights file (fp16) | {s['weights_fp16_bytes']:,} |",
         f"| fp32 weights | {s['weights_fp32_bytes']:,} |",
-        f"| resume file | {s['resume_bytes']:,} |",
-        f"| optimizer state | {s['optimizer_state_bytes']:,} ({s['optimizer_share_of_resume']:.0%} of the resume file) |",
-        f"| resume / weights | {s['resume_over_weights']:.2f}× |",
+        f"| the states (state/: fp32 weights, optimizer, step, RNG) | {s['resume_bytes']:,} |",
+        f"| optimizer state | {s['optimizer_state_bytes']:,} ({s['optimizer_share_of_resume']:.0%} of the states) |",
+        f"| states / fp16 weights | {s['resume_over_weights']:.2f}× |",
         f"| max abs Δlogit, fp16 vs fp32 weights, fixed batch of 8 | {s['max_abs_logit_diff_fp16_vs_fp32']:.3g} |",
     ]
     return "\n".join(lines)

@@ -31,7 +31,7 @@ class TwoRanks:
         return [values[0] + float(self.their_stop), values[1] + float(self.theirs is not None)]
 
     def all_gather(self, obj):
-        return [obj, self.theirs]
+        return [obj, None if self.theirs is None else (*self.theirs, 1)]  # (outcome, message, the rank it was)
 
 
 @pytest.mark.unit
@@ -93,39 +93,48 @@ def test_generation_builds_no_autograd_graph_whatever_the_callers_mode():
     assert seen and all(mode == (False, True) for mode in seen)
 
 
-def two(*args, fault=None, fault_rank=0, expect=None, timeout=BOUND_S, env=None, script=None):
-    return launch.run(2, *args, "dist.timeout_s=300", expect=expect, timeout=timeout,
-                      script=script or ("tests/faults_train.py" if fault else "train.py"),
+def two(*args, fault=None, fault_rank=0, timeout=BOUND_S, env=None):
+    """A 2-process launch, bounded far below dist.timeout_s. torchrun's own exit code says only that a
+    worker failed: each rank's outcome is in its last line ("...; exit N") and in status.json."""
+    return launch.run(2, *args, "dist.timeout_s=300", expect=None, timeout=timeout,
+                      script="tests/faults_train.py" if fault else "train.py",
                       env={**({"FAULT": fault, "FAULT_RANK": str(fault_rank)} if fault else {}), **(env or {})})
 
 
-def rank_lines(stderr: str, rank: int) -> list[str]:
-    return [line for line in stderr.splitlines() if f"[rank {rank}]" in line]
+def last_line(stderr: str, rank: int) -> str:
+    """The line a rank ends with (rank 0's lines carry no rank prefix)."""
+    mine = [l for l in stderr.splitlines() if re.search(r"; exit \d+", l) and not l.startswith(("W1", "E1", "I1"))
+            and (f"[rank {rank}]" in l if rank else "[rank " not in l)]
+    assert mine, stderr[-3000:]
+    return mine[-1]
 
 
 @pytest.mark.e2e
 def test_a_corpus_that_fails_to_tokenize_on_the_packer_ends_every_rank_with_2_naming_the_file_and_line(tmp_path, tiny):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a fine line"}\n{"text": "another"}\nnot json at all\n')
-    proc = two(*tiny, f"data.path={bad}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}", expect=2)
-    [line] = [l for l in rank_lines(proc.stderr, 1) if "failed during packing" in l]
+    proc = two(*tiny, f"data.path={bad}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    line = last_line(proc.stderr, 1)
     assert f"rank 0 failed during packing: {bad}:3:" in line and line.endswith("exit 2"), line
-    assert "Traceback" not in proc.stderr.split("torchrun:")[0] and not list((tmp_path / "cache").glob("bad-*.bin"))
+    assert last_line(proc.stderr, 0).endswith("exit 2") and json.loads((tmp_path / "run" / "status.json").read_text())["exit_code"] == 2
+    assert "Traceback (most recent call last):\n  File \"/work" not in proc.stderr.split("Traceback (most recent call last):\n  File \"<frozen runpy>")[0]
+    assert not list((tmp_path / "cache").glob("bad-*.bin"))
 
 
 @pytest.mark.e2e
 def test_a_tokenizer_exception_of_its_own_type_while_packing_ends_every_rank_with_1_naming_it(tmp_path, tiny, corpus):
-    proc = two(*tiny, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}", fault="tokenizer", expect=1)
-    [line] = [l for l in rank_lines(proc.stderr, 1) if "failed during packing" in l]
-    assert "rank 0 failed during packing: packing" in line and "RuntimeError: the tokenizer's own failure (injected)" in line
+    proc = two(*tiny, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}", fault="tokenizer")
+    line = last_line(proc.stderr, 1)
+    assert "rank 0 failed during packing: packing" in line and "RuntimeError: the tokenizer's own failure (injected)" in line, line
+    assert line.endswith("exit 1") and last_line(proc.stderr, 0).endswith("exit 1")
     assert launch.lines(tmp_path / "run" / "metrics.jsonl") == 0
 
 
 @pytest.mark.e2e
 def test_a_full_disk_on_rank_0s_metrics_line_ends_every_rank_at_that_boundary_with_1(tmp_path, tiny):
     out = tmp_path / "run"
-    proc = two(*tiny, "checkpoint.interval=2", f"out_dir={out}", fault="metrics", expect=1)
-    [line] = [l for l in rank_lines(proc.stderr, 1) if "failed during training" in l]
+    proc = two(*tiny, "checkpoint.interval=2", f"out_dir={out}", fault="metrics")
+    line = last_line(proc.stderr, 1)
     assert "rank 0 failed during training: metrics.jsonl: No space left on device; exit 1" in line, line
     assert launch.lines(out / "metrics.jsonl") == 2  # no rank trained past the step whose line failed
     status = json.loads((out / "status.json").read_text())
@@ -135,10 +144,10 @@ def test_a_full_disk_on_rank_0s_metrics_line_ends_every_rank_at_that_boundary_wi
 @pytest.mark.e2e
 def test_a_peer_failing_in_set_up_while_rank_0_packs_is_a_failure_not_a_stop_on_every_rank(tmp_path, tiny):
     out = tmp_path / "run"
-    proc = two(*tiny, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={out}", fault="setup", fault_rank=1, expect=1)
+    proc = two(*tiny, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={out}", fault="setup", fault_rank=1)
     # Rank 0 was packing when torchrun stopped it for rank 1's failure: it names rank 1, and says 1, not 75.
-    line = next(l for l in proc.stderr.splitlines() if "rank 1 failed during set-up" in l and "[rank" not in l)
-    assert "RuntimeError: this rank's set-up failed (injected); exit 1" in line, line
+    line = last_line(proc.stderr, 0)
+    assert "rank 1 failed during set-up: RuntimeError: this rank's set-up failed (injected); exit 1" in line, line
     status = json.loads((out / "status.json").read_text())
     assert status["outcome"] == "peer_failed" and status["exit_code"] == 1
     code = subprocess.run([launch.PY, "-m", "checkpoint", "status", str(out), "--exit-code"], cwd=launch.ROOT, capture_output=True,
@@ -147,18 +156,24 @@ def test_a_peer_failing_in_set_up_while_rank_0_packs_is_a_failure_not_a_stop_on_
 
 
 @pytest.mark.e2e
-def test_a_cache_dir_under_a_regular_file_ends_every_rank_with_2_before_anything_starts(tmp_path, tiny):
+def test_a_cache_dir_under_a_regular_file_ends_the_launch_with_2_before_anything_starts(tmp_path, tiny):
+    """Every rank refuses the config alike, before any of them talks to another (the first to leave
+    is the one torchrun reports; it stops the others); scripts/train.sh refuses it before launching."""
     (tmp_path / "a-file").write_text("not a folder")
-    proc = two(*tiny, f"data.cache_dir={tmp_path / 'a-file' / 'cache'}", f"out_dir={tmp_path / 'run'}", expect=2)
-    assert proc.stderr.count("data.cache_dir: ") == 2 and "is a file" in proc.stderr and not (tmp_path / "run").exists()
+    args = [*tiny, f"data.cache_dir={tmp_path / 'a-file' / 'cache'}", f"out_dir={tmp_path / 'run'}"]
+    proc = two(*args)
+    assert "error: data.cache_dir: " in proc.stderr and "is a file" in proc.stderr and "exitcode  : 2" in proc.stderr
+    assert not (tmp_path / "run").exists()
+    script = subprocess.run(["bash", "scripts/train.sh", *args], cwd=launch.ROOT, capture_output=True, text=True, timeout=120)
+    assert script.returncode == 2 and "data.cache_dir: " in script.stderr and "Traceback" not in script.stderr
 
 
 @pytest.mark.e2e
 def test_a_background_write_failing_on_rank_1_alone_stops_every_rank_at_the_next_boundary_naming_rank_1(tmp_path, tiny):
     out = tmp_path / "run"
     args = [*tiny, "dist.strategy=fsdp", "checkpoint.interval=2", "checkpoint.async=true", "train.steps=12", f"out_dir={out}"]
-    proc = two(*args, fault="background", fault_rank=1, expect=1)
-    [line] = [l for l in proc.stderr.splitlines() if "failed during training" in l and "[rank" not in l]  # rank 0's
+    proc = two(*args, fault="background", fault_rank=1)
+    line = last_line(proc.stderr, 0)
     assert re.search(r"rank 1 failed during training: saving step 4: OSError: .*Input/output error \(injected\)", line), line
     assert [s for s, _ in storage.list_checkpoints(out / "checkpoints")] == [2] and not list((out / "checkpoints").glob(".tmp-*"))
     assert 4 <= launch.lines(out / "metrics.jsonl") < 6  # the boundary after the failed write, before the next save

@@ -108,25 +108,39 @@ def test_a_symlinked_step_folder_is_skipped_and_nothing_outside_is_opened_or_del
     launch.assert_identical(out, reference(0))
 
 
-def test_sigterm_to_torchrun_alone_or_the_whole_tree_makes_scripts_train_sh_exit_75_and_the_run_ends_bit_identical(tmp_path, epochs, reference):
-    """The first launch: SIGTERM to torchrun alone; the second: to the whole tree, as a scheduler
-    does; the third finishes. Each stop exits 75 with its checkpoint, and the run equals the reference."""
-    out = tmp_path / "run"
-    cmd = ["bash", "scripts/train.sh", *epochs, "train.steps=20", f"out_dir={out}"]
-    for target, at in (("torchrun alone", 2), ("the whole tree", 6)):
-        proc = launch.start(cmd, tmp_path / f"log-{at}")
-        launch.wait_for(lambda: launch.lines(out / "metrics.jsonl") >= at, proc=proc)
-        if target == "the whole tree":
+def test_sigterm_to_torchrun_or_the_whole_tree_at_any_moment_makes_train_sh_exit_75_and_the_run_ends_bit_identical(tmp_path, epochs, reference):
+    """Five launches of scripts/train.sh on one run folder, the first four stopped: in set-up (torchrun
+    alone, while its workers import torch), while the corpus is packed (the whole tree, a slowed
+    packer), in the loop (torchrun alone) and inside the final save (the whole tree, a slowed save);
+    the fifth has nothing to do. Each stop exits 75 and leaves a folder that resumes, and the run
+    equals the uninterrupted reference."""
+    out, cache = tmp_path / "run", tmp_path / "cache"  # a cache of its own: this run's corpus is packed by it
+    cmd = ["bash", "scripts/train.sh", *epochs, f"data.cache_dir={cache}", "checkpoint.interval=4", f"out_dir={out}"]
+
+    def agent(proc):
+        found = [p for p in launch.children(proc.pid) if b"runtime.launch" in open(f"/proc/{p}/cmdline", "rb").read()]
+        return found[0] if found else None
+
+    stops = [  # (where, whom, the test double of train.py, when to signal)
+        ("set-up", "torchrun", "train.py", lambda proc: agent(proc) is not None),
+        ("packing", "tree", "tests/slow_pack_train.py", lambda proc: any(cache.glob("*.bin.tmp-*")) or any(cache.glob(".*.bin.tmp-*"))),
+        ("the loop", "torchrun", "train.py", lambda proc: launch.lines(out / "metrics.jsonl") >= 6),
+        ("the final save", "tree", launch.SLOW_SAVE, lambda proc: any((out / "checkpoints").glob(".tmp-step_00000020-*/state/.metadata"))),
+    ]
+    for where, whom, script, ready in stops:
+        proc = launch.start(cmd, tmp_path / f"log-{where}", env={"TRAIN_PY": script, "SLOW_SAVE_S": "2", "SLOW_PACK_S": "2"})
+        launch.wait_for(lambda: ready(proc), proc=proc, every=0.02)
+        if whom == "tree":
             launch.kill_tree(proc.pid, signal.SIGTERM)
         else:
-            agent = next(p for p in launch.children(proc.pid) if b"torch" in open(f"/proc/{p}/cmdline", "rb").read())
-            os.kill(agent, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 75, (tmp_path / f"log-{at}").read_text()[-3000:]
+            os.kill(agent(proc), signal.SIGTERM)
+        log = lambda: (tmp_path / f"log-{where}").read_text()[-3000:]  # noqa: E731
+        assert proc.wait(timeout=120) == 75, (where, log())
         status = runfolder.read_status(out)
-        assert status["state"] == "stopped" and status["exit_code"] == 75 and status["step"] == launch.lines(out / "metrics.jsonl")
-    code = subprocess.run(["bash", "scripts/train.sh", *epochs, f"out_dir={out}"], cwd=launch.ROOT, capture_output=True,
-                          timeout=300).returncode
-    assert code == 0
+        assert status is None or status["state"] == "stopped", (where, status)
+    assert launch.lines(out / "metrics.jsonl") == 20  # the last stop came inside the save of the last step
+    code = subprocess.run(cmd, cwd=launch.ROOT, capture_output=True, text=True, timeout=300)
+    assert code.returncode == 0 and "nothing to do: the run is at step 20 of 20" in code.stderr
     launch.assert_identical(out, reference(2))
     status = subprocess.run([launch.PY, "-m", "checkpoint", "status", str(out)], cwd=launch.ROOT, capture_output=True, text=True)
     assert json.loads(status.stdout)["state"] == "finished" and json.loads(status.stdout)["held_by"] is None
