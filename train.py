@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import runtime
 import weights
 from checkpoint import CheckpointManager, ModelState, OptimizerState, Resumed, RunMeta, model_sha256, new_run_id
 from common.files import atomic_write
-from common.outcome import RankFailed, Stopped, exit_code, known, outcome_of
+from common.outcome import exit_code, outcome_of
 from common.seeds import derive_seed, seed_all
 from configs import Config, ConfigError, describe, load_config, load_tokenizer, to_dict
 from configs.resume import policy
@@ -38,9 +36,9 @@ from model import MiniMindLM
 from objectives import NextToken, evaluate, lr_at, make_optimizer
 from run import folder, tracking
 from run.metrics import Metrics, truncate
-from run.protocol import Protocol, attempt, cause_rank, describe as describe_error
+from run.protocol import Protocol, attempt, describe as describe_error
 from run.state import TrainState
-from run.stop import StopFlag, ignore_stop_signals
+from run.stop import StopFlag, exit_now, ignore_stop_signals
 
 log = logging.getLogger("minimind")
 
@@ -145,7 +143,10 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
     resumed = run.ckpt.load(run.states)
     start_from_weights(cfg, rt, run, resumed, protocol)
     if resumed:
-        log_position(resumed, run)
+        where, odd = run.train_state.resumed_from(resumed.world_size, resumed.micro_batch, run.plan, run.steps_per_epoch)
+        log.info("%s", where)
+        if odd:
+            log.warning("%s", odd)
     start, out = run.train_state.step, Path(cfg.out_dir)
     opened = []
 
@@ -163,19 +164,6 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
 
     protocol.agree("resume", attempt(on_rank_0) if rt.is_main else None)
     return opened[0] if opened else Metrics(None, tracking.Tracker(), cfg.train.steps, start, cfg.log.every, 1, False)
-
-
-def log_position(resumed: Resumed, run: Run) -> None:
-    """Where the data continues, and the world-size rescale that gets it there (docs/design.md I4)."""
-    t, plan = run.train_state, run.plan
-    epoch, first = t.position(plan.global_batch, run.steps_per_epoch)
-    where = f"step {t.step} resumes at sample {first * plan.global_batch} of epoch {epoch}, skipping {first * plan.accum} micro-batches per rank"
-    if resumed.world_size != plan.world_size or resumed.micro_batch != plan.micro_batch:
-        where = f"world size {resumed.world_size} → {plan.world_size}, micro batch {resumed.micro_batch} → {plan.micro_batch}: {where}"
-    log.info("%s", where)
-    if epoch * run.steps_per_epoch + first != t.step:
-        log.warning("the saved data position (epoch %d, %d samples in) is not where step %d would be: the data "
-                    "continues from the saved position", t.epoch, t.samples_seen, t.step)
 
 
 def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int) -> float:
@@ -280,46 +268,6 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
     return end, step
 
 
-def conclude(e: BaseException, stop: StopFlag, rt: runtime.Runtime | None, protocol: Protocol | None) -> tuple[str, str]:
-    """The outcome of a rank that ended with `e`, and its one line (docs/design.md I16). A failure
-    every rank agreed on is what it says; another rank's failure on the board is the cause of what
-    this rank saw (a broken collective, torchrun's stop); a signal is a stop; anything else is this
-    rank's own failure, posted on the board for the others before this rank leaves."""
-    me = rt.rank if rt else 0
-    if cause_rank(e, me) != me:  # a collective failure every rank raised alike (DCP's), naming the rank it was
-        e = RankFailed(cause_rank(e, me), outcome_of(e, me), describe_error(e), getattr(protocol, "phase", ""))
-    if isinstance(e, RankFailed):  # agreed; posted too, for a rank that torchrun stops before it has read it
-        if protocol is not None:
-            protocol.post(protocol.phase, e)
-        return outcome_of(e, me), e.describe(me)
-    peer = protocol.posted() if protocol else None
-    if peer is not None:
-        return outcome_of(peer, me), peer.describe(me)
-    if isinstance(e, Stopped):
-        return "stopped", f"stopped on {stop.signal} during {getattr(protocol, 'phase', 'set-up')}: nothing to save; the previous checkpoint (if any) stands"
-    if protocol is not None:
-        protocol.post(protocol.phase, e)
-    if not known(e):  # a bug: the traceback goes to the log
-        log.error("%s", "".join(traceback.format_exception(e)).rstrip())
-    return outcome_of(e, me), f"error: {describe_error(e)}"
-
-
-def take_run_folder(cfg: Config, rt: runtime.Runtime) -> folder.RunLock | None:
-    """Global rank 0 locks out_dir before anything touches it (docs/design.md I12); every rank learns
-    the outcome, so all of them refuse together when another run holds the folder."""
-    lock, outcome = None, None
-    if rt.is_main:
-        try:
-            lock = folder.acquire(Path(cfg.out_dir), cfg.checkpoint.lock_timeout_s)
-            folder.write_status(lock.out_dir, "running")
-        except (folder.RunFolderError, OSError) as e:
-            outcome = str(e)
-    outcome = rt.broadcast(outcome)
-    if outcome:
-        raise folder.RunFolderError(outcome)
-    return lock
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="keys (key=value overrides the YAML):\n" + describe())
@@ -338,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         rt = runtime.setup(cfg)
         runtime.setup_logging(rt)
         protocol = Protocol(rt)
-        lock = take_run_folder(cfg, rt)
+        lock = folder.take(Path(cfg.out_dir), cfg.checkpoint.lock_timeout_s, rt)
         outcome, step = train(cfg, rt, stop, protocol)
         if outcome != "stopped" and stop.poll():  # the signal came during the final save: the run is complete, and stopped
             log.info("%s arrived during the final save: the checkpoint of step %d is published; exit %d as for any stop "
@@ -346,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = "stopped"
         clean = True
     except BaseException as e:
-        outcome, message = conclude(e, stop, rt, protocol)
+        outcome, message = protocol.conclude(e, stop.signal) if protocol else (outcome_of(e), f"error: {describe_error(e)}")
         level = logging.WARNING if outcome == "stopped" else logging.ERROR
         if rt is None:
             print(message, file=sys.stderr)
@@ -365,17 +313,5 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code(outcome)
 
 
-def exit_now(code: int) -> None:
-    """Exit with `code` once everything is written and closed, skipping the interpreter's teardown,
-    where the finalization of torch's C++ objects can abort a gloo worker after a clean finish
-    (docs/preemption.md, "torch 2.13's pitfalls")."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    code = main()
-    ignore_stop_signals()  # a late SIGTERM from torchrun must not turn `code` into a death by signal
-    exit_now(code)
+    exit_now(main())

@@ -24,7 +24,6 @@ The files are DCP's own, so a step folder's `state/` is also a checkpoint stock 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import io
 import os
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from .files import FileError, HashingWriter, verified_bytes, write_file
+
 STATE = "state"
 """The sub-folder of a step folder that holds DCP's files."""
 METADATA = ".metadata"
@@ -46,7 +47,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         category=UserWarning)
 
 
-class FormatError(RuntimeError):
+class FormatError(FileError):
     """A state file that cannot be used (unlisted, damaged, refused); storage turns it into CheckpointError."""
 
 
@@ -120,8 +121,6 @@ def _write_items(path: Path, relative: str, items: list, planner) -> tuple[list,
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from .storage import HashingWriter
-
     results = []
     with open(path, "wb") as f:
         w = HashingWriter(f)
@@ -189,8 +188,6 @@ def _writer_class():
         def finish(self, metadata, results) -> None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            from .storage import write_file
-
             entries: dict[str, dict] = {}
             for part in results:
                 entries.update(getattr(part, "files", {}))
@@ -244,25 +241,6 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
         if offset != 0 or length != tensor.shape[dim]:
             tensor = tensor.narrow(dim, offset, length)
     return tensor
-
-
-def verified_bytes(folder: Path, name: str, entries: dict[str, dict]) -> bytes:
-    """The bytes of `folder/name` (a path relative to the step folder), read once, whole, and
-    returned only when the manifest lists it with this size and sha256."""
-    entry, path = entries.get(name), Path(folder) / name
-    if entry is None:
-        raise FormatError(f"{path}: not listed in the manifest; only what the manifest vouches for is read")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise FormatError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if len(data) != entry["bytes"]:
-        raise FormatError(f"{path}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
-    sha = hashlib.sha256(data).hexdigest()
-    if sha != entry["sha256"]:
-        raise FormatError(f"{path}: sha256 {sha[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
-    return data
 
 
 def _reader_classes():

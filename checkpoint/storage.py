@@ -20,16 +20,16 @@ import re
 import shutil
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.serialization import config as serialization_config
 
 from common.files import fsync_path
 from common.outcome import BadInput, Failed
 
+from .files import FileError, write_file
 from .format import METADATA, STATE
 
 CHECKPOINTS = "checkpoints"
@@ -67,109 +67,8 @@ class OldLayout(CheckpointError):
     """A checkpoint of the earlier layout (manifest format 1): `python -m checkpoint convert` turns it into this one."""
 
 
-_OVERLAP = 1 << 20  # buffers from this size on are hashed in a second thread while they are written
-_helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-io")  # hashing and fsync, beside the writer
-
-
-def _writeback_starter():
-    """sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE) where the C library has it (Linux):
-    starts writing a range of a file to disk without waiting, so the final fsync has little left."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-        return lambda fd, offset, n: fn(fd, offset, n, 2)
-    except (OSError, AttributeError):
-        return None
-
-
-_start_writeback = _writeback_starter()
-
-
-class HashingWriter:
-    """File-like wrapper that hashes and counts bytes as `torch.save` writes them (nothing is read back).
-
-    A large buffer (a tensor's storage) is hashed in a helper thread while this thread writes it:
-    sha256 and the write both release the GIL, so the two overlap on two cores; the next buffer
-    waits for the hash, so the digest is over the bytes in file order. The first OSError is kept:
-    torch's zip writer replaces it with "unexpected pos", and the caller re-raises the real one
-    ("No space left on device", with the path)."""
-
-    def __init__(self, f) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, b) -> int:
-        view = memoryview(b)
-        self.size += view.nbytes
-        hashing = _helper.submit(self.sha.update, view) if view.nbytes >= _OVERLAP else None
-        if hashing is None:
-            self.sha.update(view)
-        try:
-            written = self.f.write(view)
-            if hashing is not None and _start_writeback is not None:
-                # this buffer goes to disk while the next ones are hashed and written
-                self.f.flush()
-                _start_writeback(self.f.fileno(), self.size - view.nbytes, view.nbytes)
-            return written
-        except OSError as e:
-            self.error = self.error or e
-            raise
-        finally:
-            if hashing is not None:
-                hashing.result()
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
-    """Write one file of a checkpoint (raw bytes, or an object through torch.save), hashing it on the way. Its fsync is started in a helper
-    thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
-    done here when `fsyncs` is None."""
-    w = None
-    try:
-        f = open(path, "wb")
-        try:
-            w = HashingWriter(f)
-            if isinstance(obj, bytes):
-                w.write(obj)
-            else:
-                # torch's zip writer computes a CRC32 of every record (about 0.5 GB/s here); the
-                # manifest's sha256 covers every byte already, and torch.load does not check it.
-                with serialization_config.patch({"save.compute_crc32": False}):
-                    torch.save(obj, w)
-            f.flush()
-        except BaseException:
-            f.close()
-            raise
-        if fsyncs is None:
-            fsync_close(f)
-        else:
-            fsyncs.append(_helper.submit(fsync_close, f))
-    except Exception as e:
-        if w is not None and w.error is not None and w.error is not e:
-            real = w.error
-            raise OSError(real.errno, real.strerror or str(real), str(path)) from e
-        if isinstance(e, OSError) and not e.filename:
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-        raise
-    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
-
-
-def fsync_close(f) -> None:
-    try:
-        os.fsync(f.fileno())
-    except OSError as e:  # e.g. a full disk that only shows at writeback
-        raise OSError(e.errno, e.strerror or str(e), f.name) from None
-    finally:
-        f.close()
 
 
 def new_temporary(root: Path, step: int) -> Path:
@@ -494,12 +393,12 @@ def check_files(folder: Path, body: dict) -> None:
 
 def read_verified(folder: Path, name: str, body: dict | None = None) -> bytes:
     """The bytes of `folder/name`, read once and returned only if their size and sha256 are the manifest's."""
-    from .format import FormatError, verified_bytes
+    from .files import verified_bytes
 
     body = body or listed_files_present(folder)
     try:
         return verified_bytes(folder, name, body["files"])
-    except FormatError as e:
+    except FileError as e:
         raise CheckpointError(str(e)) from None
 
 

@@ -35,17 +35,11 @@ import numpy as np
 
 from common.seeds import derive_seed
 
-from .sources import DataError, check_text, parse_json
+from .tokenizer import CHATML
+from .sources import DataError, batches, check_text, parse_json, read_ahead
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-"""The ChatML template the byte tokenizer uses and `python -m data.tokenizer train` writes."""
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a knowledgeable AI. Answer accurately and concisely.",
@@ -337,8 +331,6 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
     """Pack the conversations `reader` yields into rows of (input, target + 1, position) x seq_len
     written to `out` (targets are stored + 1, 0 meaning "does not teach"); returns the counts and
     each row's number of taught tokens."""
-    from .prepare import _batches, _read_ahead
-
     enc = Encoder(tok, template, opts)
     packer = Packer(seq_len, tok.pad, opts.pack, opts.drop_long)
     taught_per_row: list[int] = []
@@ -351,7 +343,7 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
             stored.astype(dtype).tofile(out)
             taught_per_row.append(int((row[1] != IGNORE).sum()))
 
-    for batch, size in _read_ahead(_batches(reader, batch_bytes)):
+    for batch, size in read_ahead(batches(reader, batch_bytes)):
         texts = []
         for messages, tools in batch:
             texts.append(enc.render(with_system_prompt(messages, index, opts), tools))

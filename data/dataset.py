@@ -8,6 +8,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .sources import DataError
+
+
+def counts_path(bin_path: Path) -> Path:
+    """The packed file's token counts (a .npy of uint64, one per id), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".counts.npy")
+
+
+def taught_path(bin_path: Path) -> Path:
+    """A packed chat file's taught-token count per row (a .npy of uint32), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".taught.npy")
+
 
 class PackedDataset(Dataset):
     """Samples of `seq_len + 1` token ids (uint16 or uint32 in the file); `num_samples` > 0 keeps only the first N, and `start` skips
@@ -20,8 +32,6 @@ class PackedDataset(Dataset):
         self.row = seq_len + 1 if self.ROW_PLANES is None else self.ROW_PLANES * seq_len
         available = self.bin_path.stat().st_size // (self.dtype.itemsize * self.row)
         if num_samples > available:
-            from .prepare import DataError
-
             raise DataError(f"data.num_samples={num_samples}, but the corpus packs into only {available} samples of "
                             f"{seq_len + 1} tokens ({self.bin_path}); use at most {available}, or 0 for all")
         self.n = (num_samples or available) - start
@@ -62,16 +72,12 @@ class ChatDataset(PackedDataset):
 
     def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
         super().__init__(bin_path, seq_len, num_samples, start, dtype)
-        from .prepare import taught_path
-
         self._taught = np.load(taught_path(self.bin_path), mmap_mode="r", allow_pickle=False)
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_taught": None}
 
     def __setstate__(self, state: dict) -> None:
-        from .prepare import taught_path
-
         self.__dict__.update(state)
         self._taught = np.load(taught_path(self.bin_path), mmap_mode="r", allow_pickle=False)
 

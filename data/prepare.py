@@ -16,10 +16,8 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import sys
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +26,8 @@ import numpy as np
 from common.files import atomic_file, atomic_write, tmp_prefix
 
 from . import sources, tokenizer
-from .sources import Corpus, DataError, sha256_file, stat_identity
+from .dataset import counts_path, taught_path
+from .sources import Corpus, DataError, batches, read_ahead, sha256_file, stat_identity
 
 BUILTIN = "stdlib"
 """`data.path` value that selects the built-in corpus: the standard library's docstrings."""
@@ -143,57 +142,6 @@ def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus
     return sources.resolve(path, key)
 
 
-def iter_documents(corpus: Corpus | Path):
-    """The "text" of every document of a corpus, streamed (bad lines: DataError naming file:line)."""
-    corpus = corpus if isinstance(corpus, Corpus) else Corpus.of_file(corpus)
-    for text, _ in sources.Reader(corpus):
-        yield text
-
-
-def _batches(reader, batch_bytes: int):
-    """Lists of documents of about `batch_bytes` of source each, with the source bytes they came from."""
-    texts, size = [], 0
-    for text, n in reader:
-        texts.append(text)
-        size += n
-        if size >= batch_bytes:
-            yield texts, size
-            texts, size = [], 0
-    if texts:
-        yield texts, size
-
-
-def _read_ahead(batches, depth: int = 2):
-    """Iterate `batches` with the next ones produced in a helper thread (reading and parsing JSON
-    while the tokenizer encodes the current batch, which releases the GIL); its errors are raised here."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done, stop = object(), threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in batches:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(done)
-        except BaseException as e:  # handed to the consumer, raised there with its message
-            q.put(e)
-
-    threading.Thread(target=produce, name="corpus-reader", daemon=True).start()
-    try:
-        while (item := q.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-
-
 class _Progress:
     """Packing progress with MB/s: a tqdm bar on a terminal, else a log line every `every_s` seconds.
     `watch(done, total)`, when given, sees every update (the packer's heartbeat on the launch's board, data/run.py)."""
@@ -236,16 +184,6 @@ def cache_stem(corpus: Corpus, seq_len: int, tok, options: dict | None = None) -
     if options:
         ident += "|" + json.dumps(options, sort_keys=True)
     return f"{corpus.stem}{'-chat' if options else ''}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}-L{seq_len}"
-
-
-def counts_path(bin_path: Path) -> Path:
-    """The packed file's token counts (a .npy of uint64, one per id), written before its fingerprint."""
-    return bin_path.with_name(bin_path.stem + ".counts.npy")
-
-
-def taught_path(bin_path: Path) -> Path:
-    """A packed chat file's taught-token count per row (a .npy of uint32), written before its fingerprint."""
-    return bin_path.with_name(bin_path.stem + ".taught.npy")
 
 
 def side_path(bin_path: Path, chat: bool) -> Path:
@@ -398,7 +336,7 @@ def _build_text(reader, tok, seq_len: int, dtype, out, progress, batch_bytes: in
     """Pretraining text: BOS + ids + EOS per document, laid end to end, cut into rows of seq_len + 1."""
     n_docs = n_tokens = 0
     totals = np.zeros(tok.vocab_size, dtype=np.uint64)
-    for texts, size in _read_ahead(_batches(reader, batch_bytes)):
+    for texts, size in read_ahead(batches(reader, batch_bytes)):
         ids = tok.pack_batch(texts).astype(dtype, copy=False)
         totals += np.bincount(ids, minlength=tok.vocab_size).astype(np.uint64)
         ids.tofile(out)

@@ -18,6 +18,8 @@ import hashlib
 import io
 import json
 import os
+import queue
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,3 +205,54 @@ def parse_line(path: Path, lineno: int, raw: bytes):
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise DataError(f'{path}:{lineno}: expected an object with a string "text" field, got {raw[:80]!r}')
     return check_text(path, lineno, obj["text"])
+
+
+def iter_documents(corpus: Corpus | Path):
+    """The "text" of every document of a corpus, streamed (bad lines: DataError naming file:line)."""
+    corpus = corpus if isinstance(corpus, Corpus) else Corpus.of_file(corpus)
+    for text, _ in Reader(corpus):
+        yield text
+
+
+def batches(reader, batch_bytes: int):
+    """Lists of documents of about `batch_bytes` of source each, with the source bytes they came from."""
+    texts, size = [], 0
+    for text, n in reader:
+        texts.append(text)
+        size += n
+        if size >= batch_bytes:
+            yield texts, size
+            texts, size = [], 0
+    if texts:
+        yield texts, size
+
+
+def read_ahead(batches, depth: int = 2):
+    """Iterate `batches` with the next ones produced in a helper thread (reading and parsing JSON
+    while the tokenizer encodes the current batch, which releases the GIL); its errors are raised here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done, stop = object(), threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # handed to the consumer, raised there with its message
+            q.put(e)
+
+    threading.Thread(target=produce, name="corpus-reader", daemon=True).start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -181,3 +181,20 @@ def wait_until_free(out_dir: Path, timeout_s: float) -> bool:
                 time.sleep(0.1)
     finally:
         os.close(fd)
+
+
+def take(out_dir: Path, timeout_s: float, comm) -> RunLock | None:
+    """Global rank 0 locks `out_dir` before anything touches it (docs/design.md I12) and records the
+    run as running; every rank learns the outcome (`comm`: the run's runtime), so all of them refuse
+    together when another run holds the folder. Returns rank 0's lock (None elsewhere)."""
+    lock, outcome = None, None
+    if comm.is_main:
+        try:
+            lock = acquire(Path(out_dir), timeout_s)
+            write_status(lock.out_dir, "running")
+        except (RunFolderError, OSError) as e:
+            outcome = str(e)
+    outcome = comm.broadcast(outcome)
+    if outcome:
+        raise RunFolderError(outcome)
+    return lock

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import traceback
 from collections.abc import Callable
 
-from common.outcome import BadInput, Failed, RankFailed, outcome_of
+from common.outcome import BadInput, Failed, RankFailed, Stopped, known, outcome_of
 
 log = logging.getLogger("minimind")
 
@@ -93,6 +94,29 @@ class Protocol:
     def posted(self) -> RankFailed | None:
         """A failure of another rank from the board, or None (only this rank's own, none, or no store)."""
         return self.board.failure_of_another(self.comm.rank)
+
+    # ------------------------------------------------------------------ how a rank ends
+    def conclude(self, e: BaseException, signal: str | None) -> tuple[str, str]:
+        """The outcome of this rank, which ended with `e`, and its one line (docs/design.md I16). A
+        failure every rank agreed on is what it says (posted too, for a rank torchrun stops before
+        it has read it); another rank's failure on the board is the cause of what this rank saw (a
+        broken collective, torchrun's stop); a stop signal (`signal`) is a stop; anything else is this
+        rank's own failure, posted on the board for the others before it leaves."""
+        me = self.comm.rank
+        if cause_rank(e, me) != me:  # a collective failure every rank raised alike (DCP's), naming the rank it was
+            e = RankFailed(cause_rank(e, me), outcome_of(e, me), describe(e), self.phase)
+        if isinstance(e, RankFailed):
+            self.post(self.phase, e)
+            return outcome_of(e, me), e.describe(me)
+        peer = self.posted()
+        if peer is not None:
+            return outcome_of(peer, me), peer.describe(me)
+        if isinstance(e, Stopped):
+            return "stopped", f"stopped on {signal} during {self.phase}: nothing to save; the previous checkpoint (if any) stands"
+        self.post(self.phase, e)
+        if not known(e):  # a bug: the traceback goes to the log
+            log.error("%s", "".join(traceback.format_exception(e)).rstrip())
+        return outcome_of(e, me), f"error: {describe(e)}"
 
 
 def attempt(fn: Callable, *args, **kwargs) -> BaseException | None:

@@ -78,3 +78,18 @@ def ignore_stop_signals(*_: object) -> None:
     a clean exit code into a death by signal. SIG_IGN survives interpreter finalization."""
     for sig in StopFlag.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def exit_now(code: int) -> None:
+    """Exit with `code` once everything is written and closed, skipping the interpreter's teardown,
+    where the finalization of torch's C++ objects can abort a gloo worker after a clean finish
+    (docs/preemption.md, "torch 2.13's pitfalls"). Stop signals are ignored from here on (see
+    ignore_stop_signals): a late SIGTERM from torchrun must not turn `code` into a death by signal."""
+    import logging
+    import sys
+
+    ignore_stop_signals()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

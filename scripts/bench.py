@@ -91,7 +91,7 @@ def raw_write_overlapped(folder: Path, files: dict[str, bytes]) -> float:
     """Seconds to write these bytes as plain files through the page cache in 4 MiB blocks, starting
     each block's writeback as soon as it is written (sync_file_range, as our save does), then an
     fsync of each file and of the folder. No serialization, no hashing."""
-    from checkpoint.storage import _start_writeback
+    from checkpoint.files import _start_writeback
 
     folder.mkdir()
     t0 = time.perf_counter()
@@ -411,11 +411,11 @@ if mode == "pack":
     _, meta = pack(prepare.resolve_source(str(source), cache), 512, cache, tok)
     n = meta["num_tokens"]
 elif mode == "encoder":  # the ceiling: the batch encoder alone, on the same batches held in memory
-    batches = [texts for texts, _ in prepare._batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20)]
+    batches = [texts for texts, _ in prepare.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20)]
     t0 = time.perf_counter()
     n = sum(len(e) for texts in batches for e in tok.tok.encode_batch_fast(texts, add_special_tokens=False))
 else:  # json: parsing every line, the floor of any packer
-    n = sum(len(texts) for texts, _ in prepare._batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20))
+    n = sum(len(texts) for texts, _ in prepare.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20))
 seconds = time.perf_counter() - t0
 # VmHWM: this process image's peak RSS (ru_maxrss would carry the forking parent's peak over)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))

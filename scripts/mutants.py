@@ -37,31 +37,29 @@ class Mutant:
 
 MUTANTS = (
     Mutant("rng-not-restored", "every rank's global RNG state is restored on resume (I6)",
-           "checkpoint/manager.py", "            self._restore_rng(payload)\n", "            pass\n",
+           "checkpoint/manager.py", "            rng.restore_blob(target[\"rng\"][str(self.comm.rank)], self.comm.device)\n", "            pass\n",
            ("tests/test_checkpoint_manager.py::test_load_restores_the_global_generators_each_rank_had_at_the_save",)),
     Mutant("optimizer-not-restored", "the optimizer state is restored on resume",
-           "checkpoint/manager.py", "                    obj.load_state_dict(payload[name])\n",
-           "                    obj.load_state_dict(payload[name]) if name != 'optimizer' else None\n",
+           "checkpoint/manager.py", "                obj.load_state_dict(target[name])\n",
+           "                obj.load_state_dict(target[name]) if name != 'optimizer' else None\n",
            ("tests/test_checkpoint_manager.py::test_load_restores_the_optimizers_state_and_param_groups_exactly",
             "tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one")),
     Mutant("skip-off-by-one", "a resume skips exactly what the epoch consumed (I4)",
-           "train.py", "SkipBatchSampler(sampler, first * plan.accum)", "SkipBatchSampler(sampler, first * plan.accum + (1 if first else 0))",
+           "data/loader.py", "SkipBatchSampler(sampler, first * plan.accum)", "SkipBatchSampler(sampler, first * plan.accum + (1 if first else 0))",
            ("tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one",)),
     Mutant("epoch-seed-without-epoch", "epoch e's order is randperm seeded with seed + e (I1)",
            "data/sampler.py", "g.manual_seed(seed + epoch)", "g.manual_seed(seed)",
            ("tests/test_sampler.py::test_the_epoch_order_is_distributed_samplers_permutation",
             "tests/test_sampler.py::test_same_seed_and_epoch_give_the_same_order_another_epoch_another")),
     Mutant("rescale-ignored", "the skip is rescaled to the new world size (I4)",
-           "train.py", "    if resumed:\n        log_position(resumed, run, epoch, first)\n",
-           "    if resumed:\n        first = first * rt.world_size // resumed.world_size  # the old world size's micro-batches\n"
-           "        log_position(resumed, run, epoch, first)\n",
+           "data/loader.py", "SkipBatchSampler(sampler, first * plan.accum)", "SkipBatchSampler(sampler, first * plan.micro_batches)",
            ("tests/test_resume_e2e.py::test_world_size_two_to_one_to_two_is_sample_exact_and_close_in_weights",)),
-    Mutant("sha256-not-checked-on-load", "a resume file is loaded only if its sha256 is the manifest's (I8, I10)",
-           "checkpoint/storage.py", "    _check_sha(path, digest.result(), entry)  # first:", "    digest.result()  # first:",
-           ("tests/test_checkpoint_io.py::test_a_flipped_byte_inside_a_tensor_is_refused_by_the_verified_load",)),
+    Mutant("sha256-not-checked-on-load", "a state file is used only if its sha256 is the manifest's (I8, I10)",
+           "checkpoint/files.py", "    if sha != entry[\"sha256\"]:\n", "    if False:\n",
+           ("tests/test_checkpoint_io.py::test_a_flipped_byte_inside_a_tensor_is_refused_by_the_verified_load",
+            "tests/test_sharding.py::test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint")),
     Mutant("no-fallback", "a damaged newest checkpoint falls back to the newest that verifies (I13)",
-           "checkpoint/manager.py", "                faults.append((step, folder, str(e)))\n                continue\n",
-           "                raise\n",
+           "checkpoint/manager.py", "            faults.append(why)\n", "            raise storage.CheckpointError(why)\n",
            ("tests/test_checkpoint_manager.py::test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one",)),
     Mutant("canonical-in-rank-order", "canonical sums micro-batch gradients in micro-batch order, whatever W",
            "runtime/reduce.py", "rows = self.gathered.view(w, self.accum, -1).transpose(0, 1).reshape(w * self.accum, -1)",
@@ -71,30 +69,46 @@ MUTANTS = (
            "train.py", "i = j * rt.world_size + rt.rank  #", "i = j  #",
            ("tests/test_canonical_e2e.py::test_three_then_one_then_two_processes_compute_the_bits_of_one_process_at_every_step",)),
     Mutant("lock-not-taken", "one run per folder: rank 0 holds an OS lock on out_dir (I12)",
-           "checkpoint/runfolder.py", "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n            break\n",
+           "run/folder.py", "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n            break\n",
            "            break\n",
            ("tests/test_run_folder.py::test_a_folder_locked_by_another_process_is_refused_naming_it",)),
     Mutant("prune-unverified", "pruning deletes only checkpoints this run verified or wrote (I13)",
            "checkpoint/storage.py", "        if p not in owned:\n", "        if False:\n",
            ("tests/test_checkpoint_io.py::test_pruning_never_counts_or_deletes_a_checkpoint_that_does_not_verify_nor_follows_a_link",)),
     Mutant("metrics-not-truncated", "metrics lines past the resumed step are dropped (I11)",
-           "checkpoint/manager.py", "            truncate_metrics(self.metrics_path, step)\n", "            pass\n",
-           ("tests/test_checkpoint_manager.py::test_a_resume_drops_the_metrics_lines_past_its_step",)),
+           "train.py", "        truncate(out / folder.METRICS, start)\n", "        pass\n",
+           ("tests/test_resume_e2e.py::test_a_resume_drops_the_metrics_lines_a_killed_run_logged_past_its_checkpoint",)),
     Mutant("lr-from-the-launch", "the LR is a pure function of the optimizer step (I5)",
            "train.py", "lr = lr_at(step, cfg.train)", "lr = lr_at(step - start, cfg.train)",
            ("tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one",)),
     Mutant("stop-not-agreed", "a stop is decided by every rank's vote, not the local flag (I9)",
-           "checkpoint/manager.py", 'reason = end or ("stopped" if stop_votes else None)', 'reason = end or ("stopped" if stop else None)',
-           ("tests/test_checkpoint_manager.py::test_a_stop_signal_to_another_rank_stops_this_one_at_the_same_step",)),
+           "run/protocol.py", "        return stops > 0\n", "        return stop\n",
+           ("tests/test_protocol.py::test_a_boundary_raises_the_other_ranks_failure_on_this_rank_and_a_stop_vote_stops_both",)),
+    Mutant("failure-not-agreed", "a rank's failure is raised on every rank at the boundary (I9)",
+           "run/protocol.py", "        if failures:\n            self.agree", "        if error is not None:\n            self.agree",
+           ("tests/test_protocol.py::test_a_boundary_raises_the_other_ranks_failure_on_this_rank_and_a_stop_vote_stops_both",)),
+    Mutant("pack-failure-not-agreed", "a packer's failure fails every rank, naming it (I22)",
+           "data/run.py", "    for r, outcome in outcomes.items():\n        if \"error\" in outcome:",
+           "    for r, outcome in outcomes.items():\n        if \"error\" in outcome and r == rt.rank:",
+           ("tests/test_protocol.py::test_a_corpus_that_fails_to_tokenize_on_the_packer_ends_every_rank_with_2_naming_the_file_and_line",)),
+    Mutant("exit-code-table-changed", "one table decides every exit code (I16)",
+           "common/outcome.py", '    "stopped": 75,', '    "stopped": 1,',
+           ("tests/test_protocol.py::test_one_function_maps_every_ending_to_its_code",)),
     Mutant("scaler-not-saved", "the float16 GradScaler's state is part of the checkpoint",
            "train.py", '**({"scaler": self.scaler} if self.scaler else {})', "**{}",
            ("tests/test_dtypes_and_devices.py::test_mixed_precision_resumes_bit_identically_with_the_scalers_state",)),
     Mutant("corpus-not-compared", "a resume under another corpus is refused (I20)",
-           "train.py", 'for k in ("source_sha256", "files", "tokenizer",', 'for k in ("files", "tokenizer",',
+           "configs/resume.py", 'for k in ("source_sha256", "files", "tokenizer",', 'for k in ("files", "tokenizer",',
            ("tests/test_checkpoint_safety.py::test_a_changed_corpus_is_an_error_naming_the_data_fingerprint",)),
+    Mutant("tokenizer-not-in-fingerprint", "a resume under another tokenizer is refused, naming both (I14)",
+           "configs/resume.py", '"files", "tokenizer", "seq_len"', '"files", "seq_len"',
+           ("tests/test_tokenizers.py::test_a_resume_with_another_tokenizer_fails_naming_both_and_generate_uses_the_checkpoints_own",)),
+    Mutant("global-batch-accepted", "the global batch is fixed for a run (I3)",
+           "configs/resume.py", '"global_batch": "train.global_batch",', "",
+           ("tests/test_checkpoint_safety.py::test_a_resume_under_another_model_corpus_batch_or_seed_is_an_error_naming_the_field",)),
     Mutant("pickle-allowed", "loading never runs pickled code (I10)",
-           "checkpoint/storage.py", "torch.load(bytes_io.BytesIO(data), map_location=map_location, weights_only=True)",
-           "torch.load(bytes_io.BytesIO(data), map_location=map_location, weights_only=False)",
+           "checkpoint/format.py", 'return torch.load(data, map_location="cpu", weights_only=True)',
+           'return torch.load(data, map_location="cpu", weights_only=False)',
            ("tests/test_checkpoint_safety.py::test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs",)),
     Mutant("resume-never-overwrites", "resume=never refuses a folder that holds checkpoints (I13)",
            "checkpoint/manager.py", "            if existing:\n                raise", "            if False:\n                raise",
@@ -104,7 +118,7 @@ MUTANTS = (
            "files = sorted((p for p in path.resolve().iterdir() if not p.name.startswith(\".\")), reverse=True)",
            ("tests/test_corpora.py::test_a_directory_and_a_glob_train_bit_identically_to_their_files_concatenated_in_name_order",)),
     Mutant("file-not-named-on-resume", "a resume under a changed corpus file names the file (I20)",
-           "train.py", '("source_sha256", "files", "tokenizer"', '("source_sha256", "tokenizer"',
+           "configs/resume.py", '("source_sha256", "files", "tokenizer"', '("source_sha256", "tokenizer"',
            ("tests/test_corpora.py::test_each_file_of_a_corpus_is_in_the_fingerprint_and_a_resume_refuses_a_change_naming_the_file",)),
     Mutant("verify-full-ignored", "data.verify_source=full hashes the files again (I20)",
            "data/prepare.py", 'if verify == "full" or not _trusted(record, identity):', "if not _trusted(record, identity):",
@@ -116,7 +130,7 @@ MUTANTS = (
            "data/sources.py", "            if changed:", "            if False:",
            ("tests/test_corpora.py::test_a_file_that_changes_while_it_is_packed_is_refused_and_nothing_is_cached",)),
     Mutant("wait-bounded-by-time", "waiters wait as long as the packer's heartbeat moves (I22)",
-           "data/handoff.py", 'last_beat, last_change = record.get("beat"), now', 'last_beat = record.get("beat")',
+           "runtime/board.py", 'last_beat, last_change = record.get("beat"), now', 'last_beat = record.get("beat")',
            ("tests/test_corpora.py::test_waiters_get_the_packers_outcome_and_fail_at_once_when_it_fails_or_stops_beating",
             "tests/test_corpora.py::test_a_pack_longer_than_the_collective_timeout_succeeds_on_two_processes")),
     Mutant("bijective-without-cycle-walk", "the bijective order is a permutation of [0, N) for every N (I1)",
@@ -127,8 +141,9 @@ MUTANTS = (
            "data/sampler.py", "BijectiveOrder)(num_samples, seed + epoch)", "BijectiveOrder)(num_samples, seed + (epoch if kind == 'randperm' else 0))",
            ("tests/test_corpora.py::test_the_bijective_order_is_keyed_by_seed_plus_epoch_and_pinned_across_releases",)),
     Mutant("loss-mean-of-means", "a chat step's loss is over the taught tokens of the global batch (I17)",
-           "train.py", '_, loss = reducer.net(x, y, positions=batch[2].to(rt.device, non_blocking=True), reduction="sum")\n                    loss = loss * run.plan.micro_batches / taught',
-           '_, loss = reducer.net(x, y, positions=batch[2].to(rt.device, non_blocking=True))',
+           "objectives/next_token.py",
+           '_, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")\n        return loss * self.micro_batches / self.taught',
+           "return net(x, y, positions=batch[2].to(device, non_blocking=True))[1]",
            ("tests/test_chat.py::test_the_steps_loss_is_over_the_taught_tokens_of_the_global_batch_whatever_the_micro_batch",)),
     Mutant("mask-from-the-opener", "the loss starts after <bos>assistant\\n, not at it (I17)",
            "data/chat.py", "        start = at + len(opener)\n", "        start = at\n",
@@ -145,20 +160,44 @@ MUTANTS = (
            ("tests/test_chat.py::test_a_system_prompt_is_added_to_the_given_ratio_as_a_pure_function_of_seed_and_index",)),
     Mutant("fsdp-sum-out-of-order", "under fsdp + canonical, micro-batch gradients are summed in micro-batch order (I19)",
            "runtime/sharding.py", "        for s in range(first, w):  # micro-batch i", "        for s in reversed(range(first, w)):  # micro-batch i",
-           ("tests/test_sharding.py::test_fsdp_canonical_is_bit_identical_on_1_2_and_3_processes_across_resumes_and_equal_to_ddp_canonical",)),
+           ("tests/test_sharding.py::test_a_run_that_moves_from_ddp_to_fsdp_and_back_on_other_world_sizes_is_the_uninterrupted_run_bit_for_bit",)),
     Mutant("fsdp-clip-by-shard-norms", "under fsdp + canonical, the clipping norm does not depend on the sharding (I19)",
            "runtime/sharding.py", "        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)",
            "        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)",
-           ("tests/test_sharding.py::test_fsdp_canonical_is_bit_identical_on_1_2_and_3_processes_across_resumes_and_equal_to_ddp_canonical",)),
-    Mutant("shards-not-verified", "a damaged shard makes its checkpoint not verify (I8, I19)",
-           "checkpoint/manager.py", "        storage.verify(folder, only=lambda name: name.startswith(f\"{sharded.SHARDS}/\"))\n", "        pass\n",
-           ("tests/test_sharding.py::test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint",)),
+           ("tests/test_sharding.py::test_a_run_that_moves_from_ddp_to_fsdp_and_back_on_other_world_sizes_is_the_uninterrupted_run_bit_for_bit",)),
+    Mutant("shard-not-listed", "every rank's state file is in the one manifest (I19)",
+           "checkpoint/format.py", "            for part in results:\n                entries.update", "            for part in results[:1]:\n                entries.update",
+           ("tests/test_sharding.py::test_a_run_that_moves_from_ddp_to_fsdp_and_back_on_other_world_sizes_is_the_uninterrupted_run_bit_for_bit",)),
+    Mutant("unlisted-files-accepted", "a file the manifest does not list makes its checkpoint not verify (I13, I19)",
+           "checkpoint/storage.py", "    if not foreign_ok:\n        check_foreign(folder, body)", "    pass",
+           ("tests/test_checkpoint_io.py::test_verify_names_the_file_and_what_failed",)),
     Mutant("dcp-metadata-pickle", "DCP's metadata is unpickled by an allow-list: loading never runs code (I10)",
-           "checkpoint/sharded.py", "                metadata = _MetadataUnpickler(f).load()", "                metadata = pickle.load(f)",
-           ("tests/test_sharding.py::test_the_shards_metadata_is_unpickled_by_an_allow_list_and_code_in_it_never_runs",)),
-    Mutant("async-shards-of-rank-0-only", "a background sharded save lists every rank's shards before it publishes (I19)",
-           "checkpoint/manager.py", "            for r in range(self.comm.world_size):\n                path = tmp", "            for r in range(1):\n                path = tmp",
-           ("tests/test_sharding.py::test_a_sigkill_inside_an_async_sharded_save_resumes_exactly_from_one_written_in_the_background",)),
+           "checkpoint/format.py", "        metadata = _MetadataUnpickler(io.BytesIO(data)).load()", "        metadata = pickle.loads(data)",
+           ("tests/test_sharding.py::test_the_states_metadata_is_unpickled_by_an_explicit_allow_list_and_nothing_else_is_built",)),
+    Mutant("metadata-by-module-prefix", "the allow-list names each class where it is defined, not a module prefix (I10)",
+           "checkpoint/format.py",
+           "        if name in _METADATA_CLASSES.get(module, ()):\n            obj = getattr(importlib.import_module(module), name, None)\n"
+           "            # Defined where it is looked up: a name another module re-exports is not the class we mean.\n"
+           "            if obj is not None and getattr(obj, \"__module__\", None) == module:\n",
+           "        if module.startswith(\"torch.distributed.checkpoint\") or name in _METADATA_CLASSES.get(module, ()):\n"
+           "            obj = getattr(importlib.import_module(module), name, None)\n            if obj is not None:\n",
+           ("tests/test_sharding.py::test_the_states_metadata_is_unpickled_by_an_explicit_allow_list_and_nothing_else_is_built",)),
+    Mutant("manifest-before-fsync", "every file is on disk before the manifest vouches for it (I8)",
+           "checkpoint/storage.py",
+           "        finally:\n            for done in fsyncs:\n                done.result()  # every file is on disk before the manifest vouches for it\n"
+           "        manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}\n"
+           "        body = {\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries}\n"
+           "        write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + \"\\n\").encode())\n",
+           "        finally:\n            pass\n"
+           "        manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}\n"
+           "        body = {\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries}\n"
+           "        write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + \"\\n\").encode())\n"
+           "        for done in fsyncs:\n            done.result()\n",
+           ("tests/test_checkpoint_io.py::test_every_file_is_fsynced_before_the_manifest_that_vouches_for_it_is_written",)),
+    Mutant("evaluation-in-training-mode", "evaluation reads the model in eval mode: no dropout drawn, nothing changed (I15)",
+           "objectives/next_token.py",
+           "    model.eval()\n", "",
+           ("tests/test_watching.py::test_evaluating_changes_no_training_bit_and_logs_val_loss_at_its_steps",)),
 )
 
 
@@ -231,14 +270,17 @@ def main(argv: list[str] | None = None) -> int:
                 code, out = pytest(repo, m.tests, a.timeout)
             finally:
                 path.write_text(original)
-            failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
-            if code == 1 and failed:
+            failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+            errors = re.findall(r"^ERROR (\S+)", out, flags=re.M)
+            if code == 1 and failed and not errors:  # a test that ran and failed; an error in collection or a fixture proves nothing
                 verdict = f"caught by {failed[0]}"
             elif code == 0:
                 verdict = "SURVIVED"
                 survived.append(m.name)
             else:
-                verdict = f"SURVIVED (pytest {'timed out' if code is None else f'exit {code}'}, no test failed)"
+                why = f"{len(errors)} collection or fixture error(s), e.g. {errors[0]}" if errors else \
+                    f"pytest {'timed out' if code is None else f'exit {code}'}, no test failed"
+                verdict = f"SURVIVED ({why})"
                 survived.append(m.name)
             print(f"{m.name:28} {verdict}  [{time.monotonic() - t1:.0f} s]", flush=True)
         print(f"{len(chosen) - len(survived)} of {len(chosen)} mutants caught in {time.monotonic() - t0:.0f} s")
@@ -246,4 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(ROOT))
+    from common.outcome import command
+
+    sys.exit(command(main))

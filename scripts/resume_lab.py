@@ -179,12 +179,11 @@ def sizes(ref: Path, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--as-train"]:  # a torchrun worker of the LR-schedule case: train.py, schedule shifted
-        from run.stop import ignore_stop_signals
+        from run.stop import exit_now
 
         with lr_restarted_at(int(argv[1])):
             code = train.main(argv[2:])
-        ignore_stop_signals()  # as train.py's own __main__ does
-        train.exit_now(code)
+        exit_now(code)  # as train.py's own __main__ does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "resume_lab")
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (the world-size ablation uses nproc + 1)")

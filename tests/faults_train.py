@@ -47,14 +47,14 @@ elif FAULT == "setup":
             raise RuntimeError("this rank's set-up failed (injected)")
 
         data.run.wait_for = _failing_wait
-    _batches = prepare._batches
+    _batches = prepare.batches
 
     def _slow_batches(reader, batch_bytes):
         for batch in _batches(reader, batch_bytes):
             time.sleep(30)
             yield batch
 
-    prepare._batches = _slow_batches
+    prepare.batches = _slow_batches
 elif FAULT == "background" and HERE:
     from checkpoint import format
 

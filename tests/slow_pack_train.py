@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 
 from data import prepare  # noqa: E402
 
-_batches = prepare._batches
+_batches = prepare.batches
 
 
 def _slow_batches(reader, batch_bytes):
@@ -21,6 +21,6 @@ def _slow_batches(reader, batch_bytes):
         yield batch
 
 
-prepare._batches = _slow_batches
+prepare.batches = _slow_batches
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

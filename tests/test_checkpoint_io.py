@@ -307,7 +307,7 @@ def test_a_step_folder_that_does_not_verify_is_moved_aside_when_its_step_is_save
     assert torch.equal(read_w(tmp_path / "step_00000010"), torch.full((4,), 2.0))
     [aside] = (tmp_path / storage.MOVED_ASIDE).iterdir()
     assert aside.name.startswith("step_00000010-") and (aside / STATE_FILE).read_bytes() == b"damaged"
-    assert f"did not verify" in caplog.text and str(aside) in caplog.text
+    assert "did not verify" in caplog.text and str(aside) in caplog.text
     assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [10]  # what was set aside is never listed
 
 
@@ -329,3 +329,30 @@ def test_a_replaced_checkpoint_caught_on_its_way_out_by_a_crash_keeps_a_users_fi
     assert storage.clear_temporaries(tmp_path) == [trash] and not trash.exists()
     [aside] = (tmp_path / storage.MOVED_ASIDE).iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["notes.txt"] and (aside / "notes.txt").read_text() == "mine"
+
+
+def test_every_file_is_fsynced_before_the_manifest_that_vouches_for_it_is_written(tmp_path, monkeypatch):
+    """The publish protocol's order (docs/design.md I8): each file's data fsynced, then the manifest
+    written. An fsync made slow here must still come first."""
+    import time
+
+    from checkpoint import files
+
+    events, real_fsync, real_write = [], os.fsync, files.write_file
+
+    def slow_fsync(fd):
+        time.sleep(0.2)
+        real_fsync(fd)
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+
+    def writes(path, obj, *rest):
+        if Path(path).name == storage.MANIFEST:
+            events.append(("manifest", storage.MANIFEST))
+        return real_write(path, obj, *rest)
+
+    monkeypatch.setattr(files.os, "fsync", slow_fsync)
+    monkeypatch.setattr(storage, "write_file", writes)
+    folder = publish_step(tmp_path, 10)
+    manifest_at = events.index(("manifest", storage.MANIFEST))
+    for name in storage.verify(folder)["files"]:
+        assert ("fsync", Path(name).name) in events[:manifest_at], (name, events)

@@ -65,3 +65,125 @@ def test_a_unit_test_cannot_start_a_process():
 
     with pytest.raises(AssertionError, match="is marked unit but starts a process: mark it e2e"):
         subprocess.run(["true"])
+
+
+# ---------------------------------------------------------------- the house (docs/design.md, "The floors")
+ROOMS = ("common", "checkpoint", "runtime", "model", "data", "run", "weights", "objectives", "configs", "cli")
+MAY_IMPORT = {
+    # each room, the rooms it may import (its own floor's sideways ones included); nothing else, nothing upward
+    "common": set(),
+    "checkpoint": {"common"},
+    "runtime": {"common"},
+    "model": {"common"},
+    "data": {"common", "runtime"},
+    "run": {"common", "checkpoint"},
+    "weights": {"common", "checkpoint", "data", "model"},
+    "objectives": {"common", "checkpoint", "data", "model", "runtime", "weights"},
+    "configs": {"common", "checkpoint", "data", "model", "runtime", "run", "objectives"},
+    "train": {"common", "checkpoint", "data", "model", "runtime", "run", "weights", "objectives", "configs"},
+    "cli": {"common", "checkpoint", "data", "model", "runtime", "run", "weights", "objectives", "configs"},
+}
+ENTRY_POINTS = {"checkpoint/__main__.py"}  # `python -m checkpoint`: the commands' old name, an alias of cli (nothing imports it)
+
+
+def module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module of this repository that `path` imports, at the top or inside a function."""
+    import ast
+
+    tree, module = ast.parse(path.read_text()), module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.split(".")[0] in (*ROOMS, "train")}
+    return out
+
+
+def room_sources() -> dict[str, Path]:
+    files = {module_of(p): p for room in ROOMS for p in (ROOT / room).rglob("*.py")}
+    files["train"] = ROOT / "train.py"
+    return files
+
+
+def test_no_room_imports_upward_and_checkpoint_knows_no_model_data_or_config():
+    wrong = []
+    for module, path in room_sources().items():
+        room = module.split(".")[0]
+        if str(path.relative_to(ROOT)) in ENTRY_POINTS:
+            continue
+        for target in imports_of(path):
+            other = target.split(".")[0]
+            if other != room and other not in MAY_IMPORT[room]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {target} ({room} may import {sorted(MAY_IMPORT[room]) or 'nothing of ours'})")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_no_module_imports_in_a_circle_not_even_inside_a_function():
+    sources = room_sources()
+    known = set(sources)
+    graph = {}
+    for module, path in sources.items():
+        targets = set()
+        for target in imports_of(path):
+            while target and target not in known:  # "data.chat.ChatOptions" is data.chat's
+                target = target.rpartition(".")[0]
+            if target and target != module and not module.startswith(f"{target}."):  # a package's own __init__ aside
+                targets.add(target)
+        graph[module] = targets
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_each_room_says_its_job_in_its_docstring_and_the_top_level_is_the_one_asked_for():
+    import ast
+
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse((ROOT / room / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 8, f"{room}/__init__.py: no docstring that says the room's job"
+    top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in ("runs", "__pycache__")}
+    loose = sorted(p for p in top if p.endswith(".py") and p != "train.py")
+    assert not loose, f"loose modules at the top level (they belong in a room): {loose}"
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 350, "train.py is the loop: at most 350 lines"
+    assert len((ROOT / "README.md").read_bytes()) <= 8192, "the README is a map: at most 8 KB (the manual is docs/)"
+
+
+def test_the_shell_scripts_take_every_exit_code_from_the_one_table():
+    """scripts/train.sh and scripts/slurm/train.sbatch ask common/outcome.py (python3 common/outcome.py NAME)
+    for each code they exit with, and write no code of their own."""
+    from common.outcome import EXIT_CODES
+
+    for script in ("scripts/train.sh", "scripts/slurm/train.sbatch"):
+        text = (ROOT / script).read_text()
+        assert "common/outcome.py" in text, script
+        literal = [line for line in text.splitlines() if re.search(r"\bexit (0|1|2|75)\b", line) and not line.lstrip().startswith("#")]
+        assert not literal, f"{script} exits with a literal code: {literal}"
+        for name in re.findall(r"\$\(code (\w+)\)", text):
+            assert name in EXIT_CODES, f"{script} asks for an outcome the table does not have: {name}"

@@ -6,6 +6,7 @@ each time: the fast proof the mutants lean on); every other interrupted run is a
 launches, each a new process.
 """
 import json
+import shutil
 
 
 import pytest
@@ -89,3 +90,16 @@ def test_inspect_reads_a_run_folder_and_a_checkpoint_folder(reference):
         assert len(info["model_sha256"]) == 64 and info["manifest_model_sha256_matches"]
         assert set(info["files"]) == {"state/.metadata", "state/__0_0.distcp", "weights_fp16.pth"}
         assert info["ranks_with_rng_state"] == 2
+
+
+def test_a_resume_drops_the_metrics_lines_a_killed_run_logged_past_its_checkpoint(tmp_path, epochs, in_process_reference):
+    """A run killed after logging steps 5 and 6 past its checkpoint at 4: the resume drops them, so the
+    log holds every step once, with the uninterrupted run's losses (docs/design.md I11)."""
+    args = [*epochs, "checkpoint.interval=4", f"out_dir={tmp_path}"]
+    assert launch.in_process(*args, "train.halt_at=6")[0] == 0
+    for step in (6, 5):  # the checkpoints a kill would not have left: only step 4's stands
+        shutil.rmtree(tmp_path / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
+    assert launch.lines(tmp_path / "metrics.jsonl") == 6
+    code, err = launch.in_process(*args)
+    assert code == 0 and "step 4 resumes at sample 32" in err
+    launch.assert_identical(tmp_path, in_process_reference)

@@ -3,6 +3,7 @@ size, TensorBoard curves that resume without a duplicate step, one W&B run acros
 tracker that fails without stopping the run, and the plot."""
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +15,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def watched(epochs):
-    """The epochs run with 16 samples held out (so 8 steps/epoch still) and a validation loss every 5 steps."""
+    """The epochs run with 16 samples held out (so 8 steps/epoch still) and a validation loss every 5
+    steps, with dropout on (what evaluation must not apply, nor draw for)."""
     return [*[o for o in epochs if not o.startswith("data.num_samples")], "data.num_samples=86", "data.val_samples=16",
-            "eval.interval=5"]
+            "eval.interval=5", "model.dropout=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,28 @@ def test_evaluating_changes_no_training_bit_and_logs_val_loss_at_its_steps(plain
     assert launch.inspect(evaluated)["model_sha256"] == launch.inspect(plain)["model_sha256"]
     assert [m["step"] for m in launch.metrics(evaluated) if "val_loss" in m] == [5, 10, 15, 20]
     assert not any("val_loss" in m for m in launch.metrics(plain))
+    # The logged validation loss is the model's in eval mode (no dropout): recomputed here, independently.
+    import torch
+    import torch.nn.functional as F
+
+    from data import PackedDataset
+    from weights import checkpoint_weights
+
+    folder, manifest, cfg, state = checkpoint_weights(evaluated)
+    from model import MiniMindLM
+
+    model = MiniMindLM(cfg)
+    model.load_state_dict(state)
+    fp, data = manifest["data_fingerprint"], manifest["config"]["data"]
+    from data import pack, resolve_source
+
+    bin_path, _ = pack(resolve_source(data["path"], Path(data["cache_dir"])), cfg.seq_len, Path(data["cache_dir"]))  # packed already
+    val = PackedDataset(bin_path, cfg.seq_len, fp["num_samples"] + fp["val_samples"], start=fp["num_samples"])
+    with torch.no_grad():
+        x, y = torch.stack([val[i][0] for i in range(len(val))]), torch.stack([val[i][1] for i in range(len(val))])
+        per_sample = F.cross_entropy(model.eval()(x)[0].flatten(0, 1), y.flatten(), reduction="none").view(len(val), -1).double().mean(1)
+    logged = [m["val_loss"] for m in launch.metrics(evaluated) if m["step"] == 20][0]
+    assert abs(per_sample.mean().item() - logged) < 1e-6 * logged  # the same arithmetic but the batching: equal to float rounding
 
 
 def test_an_interrupted_runs_validation_losses_equal_the_uninterrupted_runs(tmp_path, watched, plain_and_evaluated):

@@ -52,6 +52,13 @@ def frame(flat: np.ndarray, lengths: list[int], bos: int, eos: int, dtype) -> np
     return out
 
 
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The ChatML template the byte tokenizer uses and `python -m data.tokenizer train` writes (data/chat.py renders with it)."""
 _SPECIAL_TEXT = re.compile("(" + "|".join(re.escape(t) for t in SPECIALS) + ")")
 
 
@@ -193,7 +200,7 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
     and its `tokenizer_config.json`. Deterministic: the same corpora and arguments give the same bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from ..prepare import iter_documents  # the corpus reader with its file:line errors
+    from ..sources import iter_documents  # the corpus reader with its file:line errors
 
     if vocab_size < 256 + len(SPECIALS):
         raise TokenizerError(f"--vocab-size {vocab_size}: must be at least {256 + len(SPECIALS)} (the 256 byte symbols "
@@ -216,7 +223,6 @@ def train_bpe(corpora: list[Path], vocab_size: int, out_dir: Path, min_frequency
             f"or a lower --min-frequency (nothing was written)")
     from common.files import atomic_write
 
-    from ..chat import CHATML  # a template for data.format=chat: ChatML, with this tokenizer's BOS/EOS texts
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = atomic_write(out_dir / TOKENIZER_FILE, tok.to_str(pretty=True) + "\n")

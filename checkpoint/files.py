@@ -1,0 +1,138 @@
+"""A checkpoint's files, written and read with their sha256 taken as the bytes go by: the writer
+that hashes what torch.save (or anything) writes, a file written and fsynced with its manifest entry,
+and a file read once, whole, and returned only when the manifest vouches for its bytes."""
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.serialization import config as serialization_config
+
+
+class FileError(RuntimeError):
+    """A file of a checkpoint that cannot be used (unlisted, damaged, refused); storage turns it
+    into a CheckpointError naming it."""
+
+
+_OVERLAP = 1 << 20  # buffers from this size on are hashed in a second thread while they are written
+_helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-io")  # hashing and fsync, beside the writer
+
+
+def _writeback_starter():
+    """sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE) where the C library has it (Linux):
+    starts writing a range of a file to disk without waiting, so the final fsync has little left."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return lambda fd, offset, n: fn(fd, offset, n, 2)
+    except (OSError, AttributeError):
+        return None
+
+
+_start_writeback = _writeback_starter()
+
+
+class HashingWriter:
+    """File-like wrapper that hashes and counts bytes as `torch.save` writes them (nothing is read back).
+
+    A large buffer (a tensor's storage) is hashed in a helper thread while this thread writes it:
+    sha256 and the write both release the GIL, so the two overlap on two cores; the next buffer
+    waits for the hash, so the digest is over the bytes in file order. The first OSError is kept:
+    torch's zip writer replaces it with "unexpected pos", and the caller re-raises the real one
+    ("No space left on device", with the path)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, b) -> int:
+        view = memoryview(b)
+        self.size += view.nbytes
+        hashing = _helper.submit(self.sha.update, view) if view.nbytes >= _OVERLAP else None
+        if hashing is None:
+            self.sha.update(view)
+        try:
+            written = self.f.write(view)
+            if hashing is not None and _start_writeback is not None:
+                # this buffer goes to disk while the next ones are hashed and written
+                self.f.flush()
+                _start_writeback(self.f.fileno(), self.size - view.nbytes, view.nbytes)
+            return written
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        finally:
+            if hashing is not None:
+                hashing.result()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
+    """Write one file of a checkpoint (raw bytes, or an object through torch.save), hashing it on the way. Its fsync is started in a helper
+    thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
+    done here when `fsyncs` is None."""
+    w = None
+    try:
+        f = open(path, "wb")
+        try:
+            w = HashingWriter(f)
+            if isinstance(obj, bytes):
+                w.write(obj)
+            else:
+                # torch's zip writer computes a CRC32 of every record (about 0.5 GB/s here); the
+                # manifest's sha256 covers every byte already, and torch.load does not check it.
+                with serialization_config.patch({"save.compute_crc32": False}):
+                    torch.save(obj, w)
+            f.flush()
+        except BaseException:
+            f.close()
+            raise
+        if fsyncs is None:
+            fsync_close(f)
+        else:
+            fsyncs.append(_helper.submit(fsync_close, f))
+    except Exception as e:
+        if w is not None and w.error is not None and w.error is not e:
+            real = w.error
+            raise OSError(real.errno, real.strerror or str(real), str(path)) from e
+        if isinstance(e, OSError) and not e.filename:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
+
+
+def fsync_close(f) -> None:
+    try:
+        os.fsync(f.fileno())
+    except OSError as e:  # e.g. a full disk that only shows at writeback
+        raise OSError(e.errno, e.strerror or str(e), f.name) from None
+    finally:
+        f.close()
+
+
+def verified_bytes(folder: Path, name: str, entries: dict[str, dict]) -> bytes:
+    """The bytes of `folder/name` (a path relative to the step folder), read once, whole, and
+    returned only when the manifest lists it with this size and sha256."""
+    entry, path = entries.get(name), Path(folder) / name
+    if entry is None:
+        raise FileError(f"{path}: not listed in the manifest; only what the manifest vouches for is read")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(data) != entry["bytes"]:
+        raise FileError(f"{path}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != entry["sha256"]:
+        raise FileError(f"{path}: sha256 {sha[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
+    return data
