@@ -97,7 +97,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         failed = None
     protocol.agree("set-up", failed)
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt,
-              NextToken(dataset, plan.micro_batches, chat), entropy[0], sharded)
+              NextToken(dataset, plan.micro_batches, chat, model), entropy[0], sharded)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s | dist.strategy=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads,
@@ -179,7 +179,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
         with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
             torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
             with autocast:
-                loss = run.objective.loss(reducer.net, batch, rt.device)
+                loss = run.objective.loss(reducer.net, batch, rt.device, i)
             reducer.backward(loss, j, scaler.scale if scaler else None)
     loss = reducer.reduce()
     if scaler:
@@ -242,7 +242,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         seconds = time.perf_counter() - t0
         # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (docs/design.md I7).
         run.train_state.step, run.train_state.epoch, run.train_state.samples_seen = step, epoch, (s + 1) * run.plan.global_batch
-        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": run.train_state.samples_seen}
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": run.train_state.samples_seen,
+                  **run.objective.step_metrics(rt)}
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             record["val_loss"] = evaluate(run.model, run.val_dataset, cfg.train.micro_batch, cfg.eval.samples, rt,
                                           runtime.autocast(rt.device, cfg.train.dtype), run.sharded)

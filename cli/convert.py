@@ -53,7 +53,7 @@ def states_of(config: dict) -> tuple[dict, object, object]:
     from objectives.optim import make_optimizer
     from run.state import TrainState
 
-    model = MiniMindLM(ModelConfig(**config["model"]))
+    model = MiniMindLM(ModelConfig.from_dict(config["model"]))
     opt = make_optimizer(model, SimpleNamespace(**config["train"]))
     return {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": TrainState()}, model, opt
 
@@ -68,7 +68,12 @@ def convert_folder(folder: Path) -> Path:
         raise CommandError(f"{folder}: not in a run folder's {storage.CHECKPOINTS}/ (convert it where its run keeps it)")
     files = _verified(folder, _old_manifest(folder))
     payload = storage.safe_load_bytes(files["resume.pth"], folder / "resume.pth")
+    from configs import to_dict
+    from model import ModelConfig
+
     config, sharded = payload["config"], bool(payload.get("sharded"))
+    # keys this layout's model has and the earlier one did not take their defaults (the same model), recorded
+    config = {**config, "model": to_dict(ModelConfig.from_dict(config["model"]))}
     states, model, opt = states_of(config)
     if sharded:  # the model and optimizer are DCP files already, under the same names this layout uses
         entries = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}

@@ -14,6 +14,8 @@ MAY_CHANGE = {
     "config.train.dtype": ("train.dtype", "autocast changes the arithmetic: not bit-identical to the uninterrupted run"),
     **{f"config.train.{k}": (f"train.{k}", _DIFFERS)
        for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
+    "micro_batch": ("train.micro_batch", "each step's gradient is summed over other micro-batches: not bit-identical to the "
+                    "uninterrupted run (and for an MoE model, whose load-balancing loss is a micro-batch's, another objective)"),
     "threads": ("intra-op threads per process", "floating-point results differ, so bit-equality with an uninterrupted run is not promised"),
     "config.dist.reduce": ("dist.reduce", "the gradients are summed in another order: not bit-identical to the uninterrupted run"),
     "strategy": ("dist.strategy", "the checkpoint's states are loaded exactly (DCP reshards them); the gradients are reduced by "

@@ -1,12 +1,43 @@
-"""The model's configuration: the `model.*` keys of a run's YAML."""
+"""The model's configuration: the `model.*` keys of a run's YAML (docs/models.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass
+class MoEConfig:
+    """A mixture of experts in place of each block's feed-forward (MiniMind-3's MoE, Qwen3-MoE's shape)."""
+
+    experts: int = 0
+    """Experts per block (0: a dense feed-forward, MiniMind2's and MiniMind-3's dense model)."""
+    top_k: int = 1
+    """Experts each token goes through (MiniMind: num_experts_per_tok)."""
+    norm_topk_prob: bool = True
+    """Renormalize the chosen experts' router probabilities to sum to 1."""
+    hidden_dim: int = 0
+    """Each expert's SwiGLU width (0: the dense feed-forward's, as MiniMind's moe_intermediate_size defaults)."""
+    aux_loss_coef: float = 5e-4
+    """Weight of MiniMind's load-balancing loss, sum_e(load_e * mean_score_e) * experts * coef, added in training."""
+
+    def __post_init__(self) -> None:
+        _need(self.experts >= 0, f"model.moe.experts must be >= 0 (0: dense), got {self.experts}")
+        if self.experts:
+            _need(1 <= self.top_k <= self.experts,
+                  f"model.moe.top_k must be between 1 and model.moe.experts={self.experts}, got {self.top_k}")
+        _need(self.hidden_dim >= 0, f"model.moe.hidden_dim must be >= 0 (0: model.hidden_dim), got {self.hidden_dim}")
+        _need(self.aux_loss_coef >= 0, f"model.moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 @dataclass
 class ModelConfig:
-    """Shape of the MiniMind-style causal LM.
+    """Shape of the MiniMind-style causal LM: MiniMind2's (Llama-shaped) by default; MiniMind-3's
+    (Qwen3-shaped) with `qk_norm`, and its MoE with `moe.experts` > 0.
 
     The defaults are the CPU `tiny` model (about 1M parameters); MiniMind2-small is
     dim 512, n_layers 8, n_heads 8, n_kv_heads 2.
@@ -17,44 +48,62 @@ class ModelConfig:
     n_layers: int = 5
     """Number of transformer blocks."""
     n_heads: int = 4
-    """Query heads; dim must divide by it."""
+    """Query heads."""
     n_kv_heads: int = 2
     """Key/value heads (grouped-query attention); n_heads must divide by it."""
+    head_dim: int = 0
+    """Width of each head (0: dim / n_heads, which dim must then divide into)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotary embedding (MiniMind-3, Qwen3)."""
     vocab_size: int = 259
     """Token ids the embedding holds: the tokenizer's (set from data.tokenizer; the byte tokenizer has 259)."""
     seq_len: int = 128
     """Tokens per sample (the packed data is cut into seq_len + 1 tokens)."""
     hidden_dim: int = 0
-    """SwiGLU hidden width; 0 derives MiniMind's 8/3 * dim rounded up to multiple_of."""
+    """SwiGLU hidden width; 0 derives MiniMind2's 8/3 * dim rounded up to multiple_of (MiniMind-3 uses
+    ceil(dim * pi / 64) * 64: give it here)."""
     multiple_of: int = 64
     """Rounding of the derived hidden width."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (MiniMind2 1e-5, MiniMind-3 1e-6)."""
     rope_theta: float = 1e6
-    """Rotary embedding base (MiniMind2 uses 1e6)."""
+    """Rotary embedding base (MiniMind2 and MiniMind-3 use 1e6)."""
     dropout: float = 0.0
     """Dropout on attention weights, attention output and MLP output."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str = ""
     """Start a new run from these weights (fresh optimizer, LR schedule and data position): one of our checkpoint
-    or run folders, our fp16 weights file, a MiniMind2 state dict (.pth) or a Hugging Face Llama folder. Keys and
-    shapes must match model.*. A resume never reads it again ('' : the seeded random init)."""
+    or run folders, our fp16 weights file, a MiniMind state dict (.pth: MiniMind2's or MiniMind-3's) or a Hugging
+    Face folder (Llama, Qwen3, Qwen3-MoE). Keys and shapes must match model.*. A resume never reads it again
+    ('' : the seeded random init)."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
+        if isinstance(self.moe, dict):  # a config read back from a manifest
+            self.moe = MoEConfig(**self.moe)
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len", "multiple_of"):
-            need(getattr(self, key) > 0, f"model.{key} must be a positive integer, got {getattr(self, key)}")
-        need(self.dim % self.n_heads == 0, f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
-        need((self.dim // self.n_heads) % 2 == 0, f"model.dim / model.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
-        need(self.n_heads % self.n_kv_heads == 0, f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
-        need(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-        need(self.hidden_dim >= 0, f"model.hidden_dim must be >= 0 (0 = derived), got {self.hidden_dim}")
+            _need(getattr(self, key) > 0, f"model.{key} must be a positive integer, got {getattr(self, key)}")
+        _need(self.head_dim >= 0, f"model.head_dim must be >= 0 (0: dim / n_heads), got {self.head_dim}")
+        if not self.head_dim:
+            _need(self.dim % self.n_heads == 0, f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}), "
+                                                f"or give model.head_dim")
+        _need(self.head_size % 2 == 0, f"model.head_dim ({self.head_size}) must be even for rotary embeddings")
+        _need(self.n_heads % self.n_kv_heads == 0, f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+        _need(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _need(self.hidden_dim >= 0, f"model.hidden_dim must be >= 0 (0 = derived), got {self.hidden_dim}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """The config a manifest (or a config.yaml) records; keys of a later release are refused by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TypeError(f"unknown model keys {unknown}")
+        return cls(**d)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The width of each head: model.head_dim, or dim / n_heads."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -62,3 +111,8 @@ class ModelConfig:
             return self.hidden_dim
         h = int(2 * (4 * self.dim) / 3)
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def expert_dim(self) -> int:
+        """Each expert's SwiGLU width (an MoE model's)."""
+        return self.moe.hidden_dim or self.ffn_dim

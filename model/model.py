@@ -1,8 +1,12 @@
-"""A MiniMind-style causal language model.
+"""MiniMind's causal language models (docs/models.md).
 
 Pre-norm blocks of RMSNorm -> grouped-query attention with rotary embeddings -> RMSNorm -> SwiGLU,
-token embedding tied to the output head. Attention runs through
-`scaled_dot_product_attention(is_causal=True)`.
+token embedding tied to the output head: MiniMind2's shape (Llama's). With `qk_norm` each query and
+key head is RMSNorm-ed before the rotary embedding, and `head_dim` may differ from dim / n_heads:
+MiniMind-3's shape (Qwen3's). With `moe.experts` > 0 each feed-forward is a mixture of experts
+(MiniMind-3's MoE, Qwen3-MoE's shape): a softmax router, the top-k experts per token (their
+probabilities renormalized with `norm_topk_prob`), and in training MiniMind's load-balancing loss.
+Attention runs through `scaled_dot_product_attention(is_causal=True)`.
 """
 from __future__ import annotations
 
@@ -47,11 +51,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:  # per head, over head_dim, before the rotary embedding (MiniMind-3, Qwen3)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
@@ -61,6 +68,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generation: keys and values of the earlier positions come from the cache
             start = cache.length
@@ -80,15 +89,55 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        hidden = hidden or cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts: a linear router over `experts`, softmax in fp32, the top-k per
+    token (renormalized with norm_topk_prob), each expert applied to its tokens and its output,
+    weighted, added in expert order (as MiniMind and transformers' Qwen3-MoE compute it).
+
+    Every expert runs on its tokens, however few: with none it runs on an empty batch, so that its
+    parameters get a gradient of exact zeros like any other (DDP's buckets and the canonical sum
+    need every gradient; MiniMind adds `0 * sum(p)` for the same reason). In training it leaves
+    MiniMind's load-balancing loss `(load_e * mean_score_e).sum() * experts * coef` in `aux_loss`
+    and each expert's share of the token slots in `load`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.experts_n, self.top_k, self.norm_topk_prob, self.coef = cfg.moe.experts, cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.moe.aux_loss_coef
+        self.gate = nn.Linear(cfg.dim, cfg.moe.experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg, cfg.expert_dim) for _ in range(cfg.moe.experts))
+        self.aux_loss: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        scores = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)  # sorted: transformers' order of the k
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(flat.dtype)
+        out = torch.zeros_like(flat)
+        picked = F.one_hot(chosen, self.experts_n)  # (N, k, E)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(picked[:, :, e].T.bool())  # in (slot, token) order, transformers' order
+            out.index_add_(0, token, (expert(flat[token]) * weights[token, slot, None]).to(out.dtype))
+        if self.training:
+            load = picked.float().mean(0)  # (k, E): MiniMind's load
+            self.aux_loss = (load * scores.mean(0)).sum() * self.experts_n * self.coef
+            self.load = picked.float().sum((0, 1)) / picked.shape[0] / self.top_k  # each expert's share of the token slots
+        return out.view(b, t, d)
 
 
 class Block(nn.Module):
@@ -97,7 +146,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.moe.experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,7 +175,7 @@ class KVCache:
     def __init__(self, model: "MiniMindLM", batch: int = 1, max_len: int | None = None) -> None:
         cfg, p = model.cfg, model.tok_embeddings.weight
         max_len = max_len or cfg.seq_len
-        self.layers = [LayerCache(batch, cfg.n_kv_heads, max_len, cfg.head_dim, p.dtype, p.device) for _ in range(cfg.n_layers)]
+        self.layers = [LayerCache(batch, cfg.n_kv_heads, max_len, cfg.head_size, p.dtype, p.device) for _ in range(cfg.n_layers)]
 
     @property
     def length(self) -> int:
@@ -146,7 +195,7 @@ class MiniMindLM(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Tied embeddings, as MiniMind: one tensor under two state_dict keys.
         self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_size, cfg.seq_len, cfg.rope_theta)
         # Derived from the config, so not part of the state_dict (and not of model_sha256).
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -164,6 +213,20 @@ class MiniMindLM(nn.Module):
     def num_parameters(self) -> int:
         """Unique parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward in training (summed over the MoE blocks), or
+        None for a dense model: the objective adds it to the step's loss (objectives/next_token.py)."""
+        layers = self.moe_layers()
+        return sum(layer.aux_loss for layer in layers) if layers else None
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Each expert's share of the token slots in the last forward in training, averaged over the blocks."""
+        layers = self.moe_layers()
+        return torch.stack([layer.load for layer in layers]).mean(0) if layers else None
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,

@@ -12,22 +12,47 @@ class NextToken:
     token of the global batch divided by their global count, never a mean of micro-batch means
     (docs/design.md I17): `begin_step` reads the count from the per-row counts packing stored (no
     collective), and each micro-batch's summed loss is scaled by M / count, so that what the
-    reducers average over the M micro-batches is that quotient, whatever the split."""
+    reducers average over the M micro-batches is that quotient, whatever the split.
 
-    def __init__(self, dataset, micro_batches: int, chat: bool) -> None:
+    For an MoE model (`model`: the model itself, not a wrapper) each micro-batch's loss also holds
+    its load-balancing loss, MiniMind's, computed on that micro-batch alone; `step_metrics` gives
+    the step's mean auxiliary loss and each expert's share of the token slots, summed over every
+    rank's micro-batches in micro-batch order: the same bits on any world size (docs/models.md)."""
+
+    def __init__(self, dataset, micro_batches: int, chat: bool, model=None) -> None:
         self.dataset, self.micro_batches, self.chat = dataset, micro_batches, chat
+        self.model = model if model is not None and model.moe_layers() else None
         self.taught: int | None = None
+        self.stats: list[tuple[int, torch.Tensor]] = []
 
     def begin_step(self, indices: list[int]) -> None:
         """The step's global sample indices (every rank's micro-batches)."""
         self.taught = self.dataset.taught(indices) if self.chat else None
+        self.stats = []
 
-    def loss(self, net, batch, device) -> torch.Tensor:
+    def loss(self, net, batch, device, i: int = 0) -> torch.Tensor:
+        """Micro-batch `i`'s loss (`i`: its index in the step, whatever rank computes it)."""
         x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
         if not self.chat:
-            return net(x, y)[1]
-        _, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
-        return loss * self.micro_batches / self.taught
+            loss = net(x, y)[1]
+        else:
+            _, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
+            loss = loss * self.micro_batches / self.taught
+        if self.model is not None:
+            aux = self.model.aux_loss()
+            self.stats.append((i, torch.cat([aux.detach().reshape(1), self.model.expert_load()]).float().cpu()))
+            loss = loss + aux
+        return loss
+
+    def step_metrics(self, rt) -> dict:
+        """The step's figures besides its loss (a collective under MoE; nothing for a dense model)."""
+        if self.model is None:
+            return {}
+        rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
+        total = [0.0] * len(rows[0][1])
+        for _, row in rows:  # in micro-batch order: the same sum whoever computed what
+            total = [a + b for a, b in zip(total, row)]
+        return {"moe/aux_loss": total[0] / len(rows), "moe/load": [v / len(rows) for v in total[1:]]}
 
 
 @torch.no_grad()

@@ -79,9 +79,12 @@ class Metrics:
                "elapsed_s": round(time.perf_counter() - self.t0, 4)}
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
-        self.tracker.log(step, {k: v for k, v in rec.items() if k in tracking.TAGS or "/" in k})
+        scalars = {k: v for k, v in rec.items() if (k in tracking.TAGS or "/" in k) and not isinstance(v, list)}
+        scalars.update({f"{k}/{i}": x for k, v in rec.items() if "/" in k and isinstance(v, list) for i, x in enumerate(v)})
+        self.tracker.log(step, scalars)
         if step % self.every == 0 or step == self.steps:
-            extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" for k, v in rec.items() if k == "val_loss" or "/" in k)
+            extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" if not isinstance(v, list) else
+                            f" | {k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in rec.items() if k == "val_loss" or "/" in k)
             log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s%s", step, self.steps, rec["epoch"], loss, rec["lr"],
                      f"{rec['tokens_per_s']:,.0f}", extra)
 

@@ -109,7 +109,7 @@ STALL_AIM = 0.2
 def flops_per_token(cfg) -> float:
     """6 N (matmul parameters, the tied output head included) + 12 L T d (attention scores and values)."""
     d, L, T = cfg.dim, cfg.n_layers, cfg.seq_len
-    kv = cfg.n_kv_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * cfg.head_size
     per_layer = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_dim
     n = L * per_layer + cfg.vocab_size * d
     return 6 * n + 12 * L * T * d

@@ -198,6 +198,16 @@ MUTANTS = (
            "objectives/next_token.py",
            "    model.eval()\n", "",
            ("tests/test_watching.py::test_evaluating_changes_no_training_bit_and_logs_val_loss_at_its_steps",)),
+    Mutant("moe-aux-loss-dropped", "an MoE micro-batch's loss holds MiniMind's load-balancing loss (docs/models.md)",
+           "objectives/next_token.py", "            loss = loss + aux\n", "            loss = loss\n",
+           ("tests/test_models.py::test_the_objectives_loss_holds_the_load_balancing_loss_of_each_micro_batch",)),
+    Mutant("moe-top-k-not-renormalized", "the chosen experts' probabilities are renormalized (norm_topk_prob)",
+           "model/model.py", "            weights = weights / weights.sum(dim=-1, keepdim=True)\n", "            pass\n",
+           ("tests/test_models.py::test_a_minimind_3_pth_loads_through_init_from_and_gives_minimind_s_own_logits",)),
+    Mutant("qk-norm-after-rope", "q/k norms apply before the rotary embedding (MiniMind-3, Qwen3)",
+           "model/model.py", "        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n",
+           "        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n",
+           ("tests/test_models.py::test_a_minimind_3_pth_loads_through_init_from_and_gives_minimind_s_own_logits",)),
 )
 
 

@@ -145,7 +145,9 @@ def test_a_full_disk_is_reported_as_such_with_the_path_even_through_torchs_zip_w
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(storage, "open", lambda path, mode: FullDisk(real_open(path, mode)), raising=False)
+    from checkpoint import files
+
+    monkeypatch.setattr(files, "open", lambda path, mode: FullDisk(real_open(path, mode)), raising=False)
     with pytest.raises(storage.CheckpointError, match=r"No space left on device: '.*weights_fp16.pth'") as e:
         storage.publish(tmp_path, 10, {storage.WEIGHTS_FILE: {"w": torch.zeros(100_000)}}, {})
     assert "unexpected pos" not in str(e.value)
@@ -244,6 +246,8 @@ def test_metrics_past_the_resumed_step_and_half_written_lines_are_dropped(tmp_pa
 def test_each_state_file_is_read_once_and_used_only_as_the_bytes_that_were_hashed(tmp_path, monkeypatch):
     """A file replaced after it was read is not read again: what is loaded is what was hashed, and
     the replaced file is refused by the next read."""
+    from checkpoint import files
+
     folder = publish_step(tmp_path, 10, value=1.0)
     opened, real_open = [], open
     real_verified = format.verified_bytes
@@ -258,7 +262,7 @@ def test_each_state_file_is_read_once_and_used_only_as_the_bytes_that_were_hashe
             (Path(folder_) / name).write_bytes(data.replace(torch.ones(4).numpy().tobytes(), torch.full((4,), 9.0).numpy().tobytes()))
         return data
 
-    monkeypatch.setattr(format, "open", counting_open, raising=False)
+    monkeypatch.setattr(files, "open", counting_open, raising=False)
     monkeypatch.setattr(format, "verified_bytes", replaced_meanwhile)
     assert torch.equal(read_w(folder), torch.ones(4))  # what was hashed, not what is on disk now
     assert opened.count(("__0_0.distcp", "rb")) == 1  # read once: no second pass that could see other bytes

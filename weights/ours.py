@@ -16,7 +16,7 @@ from model.formats import WeightsError, check_fits
 def model_config(folder: Path, manifest: dict) -> ModelConfig:
     """The model a checkpoint's manifest describes."""
     try:
-        return ModelConfig(**manifest["config"]["model"])
+        return ModelConfig.from_dict(manifest["config"]["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
 
