@@ -59,6 +59,7 @@ class Run:
     objective: NextToken
     unigram_entropy: float
     sharded: bool
+    compiled: runtime.speed.CompileWatch | None
 
     @property
     def states(self) -> dict:
@@ -81,6 +82,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
     sharded = cfg.dist.strategy == "fsdp"
     if sharded:  # before the optimizer, which then holds the shards
         runtime.sharding.shard(model, cfg.train.dtype, cfg.dist.reshard_after_forward)
+    watch = runtime.speed.apply(model, cfg.train.compile, cfg.train.activation_checkpointing, cfg.runtime.deterministic)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     must_match, may_change = policy(to_dict(cfg.model))
     meta = RunMeta(world_size=rt.world_size, global_batch=plan.global_batch, micro_batch=plan.micro_batch, accum=plan.accum,
@@ -97,7 +99,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         failed = None
     protocol.agree("set-up", failed)
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt,
-              NextToken(dataset, plan.micro_batches, chat, model), entropy[0], sharded)
+              NextToken(dataset, plan.micro_batches, chat, model), entropy[0], sharded, watch)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s | dist.strategy=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads,
@@ -250,7 +252,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         if cfg.log.sample_ids:
             record["sample_ids"] = indices
         # Rank-local work fails into the boundary's vote, so that every rank learns of it together (docs/design.md I9).
-        failed = attempt(metrics.step, record, seconds) or run.ckpt.failure()
+        failed = (run.compiled and attempt(run.compiled.after_step, step, rt.is_main)) or attempt(metrics.step, record, seconds) \
+            or run.ckpt.failure()
         stopping = protocol.boundary(stop.poll(), failed)
         # A stop signal at the run's last step (or its halt) changes nothing: that end is saved and said.
         reason = "halted" if step == cfg.train.halt_at else "finished" if step == cfg.train.steps else "stopped" if stopping else None

@@ -25,11 +25,11 @@ _helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-io")  # has
 def _writeback_starter():
     """sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE) where the C library has it (Linux):
     starts writing a range of a file to disk without waiting, so the final fsync has little left."""
-    try:
-        import ctypes
-        import ctypes.util
+    import ctypes
 
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    try:
+        # The process's own C library (no ldconfig subprocess at import, as ctypes.util.find_library starts).
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
         fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
         return lambda fd, offset, n: fn(fd, offset, n, 2)
     except (OSError, AttributeError):

@@ -56,6 +56,11 @@ class TrainConfig:
     """Save and exit 0 after this optimizer step, as a planned stop (0: off)."""
     dtype: str = "float32"
     """float32 | bfloat16 | float16 (autocast; float16 also uses a GradScaler, on the CPU and on CUDA)."""
+    compile: bool = False
+    """torch.compile each transformer block and the loss (docs/performance.md): bit-identical between compiled runs
+    on any world size under dist.reduce=canonical, not to eager runs."""
+    activation_checkpointing: str = "none"
+    """none | full | every_K: recompute the blocks' activations in the backward (the same bits, less memory)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -65,6 +70,9 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
         choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        from runtime.speed import checkpointed_blocks
+
+        checkpointed_blocks(self.activation_checkpointing, 1)  # a ValueError naming the key
 
 
 @dataclass

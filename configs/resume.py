@@ -12,6 +12,8 @@ _DIFFERS = "the optimization from here on differs from the uninterrupted run"
 MAY_CHANGE = {
     "config.train.steps": ("train.steps", "the LR schedule from here on spans the new count"),
     "config.train.dtype": ("train.dtype", "autocast changes the arithmetic: not bit-identical to the uninterrupted run"),
+    "config.train.compile": ("train.compile", "compiled kernels round otherwise than eager ones: from here on not bit-identical "
+                             "to the uninterrupted run"),
     **{f"config.train.{k}": (f"train.{k}", _DIFFERS)
        for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")},
     "micro_batch": ("train.micro_batch", "each step's gradient is summed over other micro-batches: not bit-identical to the "

@@ -173,7 +173,7 @@ def hf_differences(hf: dict, cfg: ModelConfig) -> list[str]:
         "num_attention_heads": (heads, "n_heads", cfg.n_heads),
         "num_key_value_heads": (hf.get("num_key_value_heads", heads), "n_kv_heads", cfg.n_kv_heads),
         "head_dim": (hf.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None),
-                     "head_dim", cfg.head_size),
+                     "head_dim" if cfg.head_dim else "dim / model.n_heads", cfg.head_size),
         "vocab_size": (hf.get("vocab_size"), "vocab_size", cfg.vocab_size),
         "rope_theta": (rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta", cfg.rope_theta),
         "rms_norm_eps": (hf.get("rms_norm_eps", 1e-6), "norm_eps", cfg.norm_eps),

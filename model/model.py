@@ -127,17 +127,23 @@ class MoE(nn.Module):
         weights, chosen = torch.topk(scores, self.top_k, dim=-1)  # sorted: transformers' order of the k
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(flat.dtype)
-        out = torch.zeros_like(flat)
         picked = F.one_hot(chosen, self.experts_n)  # (N, k, E)
-        for e, expert in enumerate(self.experts):
-            slot, token = torch.where(picked[:, :, e].T.bool())  # in (slot, token) order, transformers' order
-            out.index_add_(0, token, (expert(flat[token]) * weights[token, slot, None]).to(out.dtype))
+        out = self._dispatch(flat, picked, weights.to(flat.dtype))
         if self.training:
             load = picked.float().mean(0)  # (k, E): MiniMind's load
             self.aux_loss = (load * scores.mean(0)).sum() * self.experts_n * self.coef
             self.load = picked.float().sum((0, 1)) / picked.shape[0] / self.top_k  # each expert's share of the token slots
         return out.view(b, t, d)
+
+    @torch.compiler.disable  # its shapes are the router's choice: eager under train.compile (docs/performance.md)
+    def _dispatch(self, flat: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert on the tokens routed to it (every expert runs, on no token if none chose it),
+        its output scaled by their weights and added at their rows."""
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(picked[:, :, e].T.bool())  # in (slot, token) order, transformers' order
+            out.index_add_(0, token, (expert(flat[token]) * weights[token, slot, None]).to(out.dtype))
+        return out
 
 
 class Block(nn.Module):
@@ -147,9 +153,19 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.moe.experts else FeedForward(cfg)
+        self.checkpointed = False
+        """Recompute this block's activations in the backward instead of keeping them (runtime/speed.py)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, cache, mask)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None,
+                 mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -182,6 +198,11 @@ class KVCache:
         return self.layers[0].length
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Cross-entropy in fp32 over the targets that are not IGNORE_INDEX (their mean, or their sum)."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
 class MiniMindLM(nn.Module):
     """Causal LM; `forward(tokens, targets)` returns (logits, mean cross-entropy or None)."""
 
@@ -195,6 +216,7 @@ class MiniMindLM(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Tied embeddings, as MiniMind: one tensor under two state_dict keys.
         self.output.weight = self.tok_embeddings.weight
+        self.loss_fn = lm_loss  # compiled by train.compile (runtime/speed.py)
         cos, sin = rope_tables(cfg.head_size, cfg.seq_len, cfg.rope_theta)
         # Derived from the config, so not part of the state_dict (and not of model_sha256).
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -255,9 +277,5 @@ class MiniMindLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.layers[i] if cache is not None else None, mask)
         logits = self.output(self.norm(h))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction
-            )
+        loss = self.loss_fn(logits, targets, reduction) if targets is not None else None
         return logits, loss

@@ -72,7 +72,8 @@ def evaluate(model, val, micro: int, samples: int, rt, autocast, sharded: bool) 
     # Under fsdp every rank must run each forward (its all-gathers are collectives): a rank with
     # fewer blocks runs its first block again and drops the result.
     rounds = -(-nblocks // rt.world_size) if sharded else len(blocks)
-    with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+    # Eagerly, compiled or not (a compiled block would compile again for eval mode and the last block's size).
+    with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), torch.compiler.set_stance("force_eager"):
         for k in range(rounds):
             b = blocks[k] if k < len(blocks) else None
             at = blocks[0] if b is None and blocks else (b or 0)

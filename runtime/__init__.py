@@ -1,8 +1,9 @@
 """How this process takes part in the run: distributed set-up and its collectives (setup.py), the
 launch's board on the c10d store (board.py), torch 2.13's restart-store workaround (elastic.py),
-logging (logs.py), the gradient reductions (reduce.py) and FSDP2 sharding with its reductions
-(sharding.py)."""
-from . import sharding
+logging (logs.py), the gradient reductions (reduce.py), FSDP2 sharding with its reductions
+(sharding.py), and the speed switches that keep the arithmetic: compile and activation
+checkpointing (speed.py)."""
+from . import sharding, speed
 from .board import Board, Heartbeat, Stalled, wait_for
 from .elastic import agree_on_attempt, attempt_store
 from .logs import setup_logging
@@ -12,5 +13,5 @@ from .setup import DTYPES, DistConfig, Runtime, RuntimeConfig, SetupError, autoc
 __all__ = [
     "Board", "CanonicalReduce", "DDPReduce", "DTYPES", "DistConfig", "Heartbeat", "Runtime", "RuntimeConfig", "SetupError",
     "Stalled", "agree_on_attempt", "attempt_store", "autocast", "default_threads", "make_reducer", "setup", "setup_logging",
-    "sharding", "teardown", "wait_for",
+    "sharding", "speed", "teardown", "wait_for",
 ]

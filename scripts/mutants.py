@@ -208,6 +208,17 @@ MUTANTS = (
            "model/model.py", "        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n",
            "        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n",
            ("tests/test_models.py::test_a_minimind_3_pth_loads_through_init_from_and_gives_minimind_s_own_logits",)),
+    Mutant("compile-deterministic-dropped", "compiled kernels are Inductor's deterministic ones, after every frame (performance.md)",
+           "runtime/speed.py", "    torch.use_deterministic_algorithms(True, warn_only=not deterministic)\n", "",
+           ("tests/test_compile.py::test_compiled_runs_on_1_process_and_on_2_halted_then_3_resumed_under_fsdp_are_bit_identical",)),
+    Mutant("compile-shape-not-in-key", "a compiled graph is one shape's: another shape compiles anew, and is warned",
+           "runtime/speed.py", "torch.compile(block.forward, backend=BACKEND, dynamic=False)",
+           "torch.compile(block.forward, backend=BACKEND, dynamic=True)",
+           ("tests/test_compile.py::test_a_graph_break_and_a_recompile_after_the_first_step_are_warned",)),
+    Mutant("checkpointing-rng-not-preserved", "a recomputed block draws the dropout masks of its forward again (bit-identical)",
+           "model/model.py", "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False)",
+           "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False, preserve_rng_state=False)",
+           ("tests/test_compile.py::test_activation_checkpointing_full_and_every_2_are_bit_identical_to_none_with_dropout",)),
 )
 
 

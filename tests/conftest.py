@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -11,6 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+# One Inductor cache for every compiled launch of the suite (tests/test_compile.py), kept between
+# suites like pip's: the first launch of a shape compiles (tens of seconds here), the others read it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                                                     / "minimind-trainer" / "inductor"))
 
 UNIT_STEP_LIMIT = 8
 """The most optimizer steps a unit test may train in this process (docs/tests.md, "Tiers")."""

@@ -176,4 +176,6 @@ def test_a_background_write_failing_on_rank_1_alone_stops_every_rank_at_the_next
     line = last_line(proc.stderr, 0)
     assert re.search(r"rank 1 failed during training: saving step 4: OSError: .*Input/output error \(injected\)", line), line
     assert [s for s, _ in storage.list_checkpoints(out / "checkpoints")] == [2] and not list((out / "checkpoints").glob(".tmp-*"))
-    assert 4 <= launch.lines(out / "metrics.jsonl") < 6  # the boundary after the failed write, before the next save
+    # Found at a boundary after the failed write (the one after step 4 or 5, or 6 on a loaded machine) or by
+    # the save of step 6 that waits for it: never a later checkpoint, never a later step.
+    assert 4 <= launch.lines(out / "metrics.jsonl") <= 6
