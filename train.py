@@ -33,6 +33,7 @@ from data import BatchPlan, BatchPlanError, BlockDistributedSampler, PackedDatas
 from data.loader import step_batches
 from data.run import data_of_run
 from model import MiniMindLM
+from model.lora import attach
 from objectives import NextToken, evaluate, lr_at, make_optimizer
 from run import folder, tracking
 from run.metrics import Metrics, truncate
@@ -64,7 +65,8 @@ class Run:
     @property
     def states(self) -> dict:
         # The same states, under the same names, whatever the strategy: a checkpoint resumes under either (docs/sharding.md).
-        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.opt), "train": self.train_state,
+        # A LoRA run's model state is its adapters: the frozen base is referenced by its hash (docs/lora.md).
+        return {"model": ModelState(self.model, trainable_only=self.ckpt.meta.config["train"]["lora"]["rank"] > 0), "optimizer": OptimizerState(self.model, self.opt), "train": self.train_state,
                 **({"scaler": self.scaler} if self.scaler else {})}
 
 
@@ -79,6 +81,8 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
     seed_all(cfg.seed)  # identical model init on every rank
     model = MiniMindLM(cfg.model).to(rt.device)
+    if cfg.train.lora.rank:  # adapters on the targets, everything else frozen (the base comes in start_from_weights)
+        attach(model, cfg.train.lora, cfg.seed)
     sharded = cfg.dist.strategy == "fsdp"
     if sharded:  # before the optimizer, which then holds the shards
         runtime.sharding.shard(model, cfg.train.dtype, cfg.dist.reshard_after_forward)
@@ -118,6 +122,8 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
 def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resumed | None, protocol: Protocol) -> None:
     """model.init_from: a fresh run loads the weights (every rank reads and checks them, and they
     agree); a resumed run has them in its checkpoint and never reads the source again."""
+    if cfg.train.lora.rank:
+        return start_lora(cfg, rt, run, resumed, protocol)
     source = run.ckpt.meta.init_from
     if resumed:
         if source and rt.is_main:
@@ -137,6 +143,27 @@ def start_from_weights(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resu
     if rt.is_main:
         log.info("model.init_from: %s weights from %s (sha256 %s); optimizer, LR schedule and data start fresh",
                  record[0]["format"], record[0]["path"], record[0]["sha256"][:12])
+
+
+def start_lora(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resumed | None, protocol: Protocol) -> None:
+    """train.lora: the frozen base (model.init_from, else the seeded init) into the model on every
+    rank, on a resume checked against the hash its adapters were trained over; a fresh run's
+    adapters from train.lora.init_from, or as drawn (docs/lora.md)."""
+    lora, base = cfg.train.lora, run.ckpt.meta.base
+    path = cfg.model.init_from or (((base or {}).get("init_from") or {}).get("path", "") if resumed else "")
+    got = []
+    read = lambda: got.append(weights.lora_start(cfg.model, cfg.seed, lora, path, base if resumed else None,  # noqa: E731
+                                                 resumed and resumed.path, run.model.state_dict()))
+    protocol.agree("train.lora's base", attempt(read))
+    state, record, source, sha = got[0]
+    (runtime.sharding.load_full if run.sharded else type(run.model).load_state_dict)(run.model, state, strict=False)
+    if not resumed:
+        run.ckpt.meta.init_from, run.ckpt.meta.base = record, {"sha256": sha, "init_from": record, "adapters_from": source}
+    if rt.is_main:
+        trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+        log.info("train.lora: rank %d (scale %g) on %s: %s of %s parameters train; the base (%s, weights sha256 %s) frozen%s%s",
+                 lora.rank, lora.scale, lora.targets, f"{trainable:,}", f"{run.model.num_parameters():,}", path or "the seeded init",
+                 sha[:12], ", verified" if resumed else "", f"; adapters from {source['path']}" if source else "")
 
 
 def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Metrics:

@@ -81,9 +81,13 @@ class RunMeta:
     init_from: dict | None = None
     """Where the run's first weights came from (path, sha256, format), when not from its seeded init;
     carried from checkpoint to checkpoint."""
+    base: dict | None = None
+    """A LoRA run's frozen base, which its checkpoints do not hold: {sha256: the base weights'
+    model_sha256, init_from: where they were read (None: the seeded init), adapters_from: the
+    adapters it began from (None: fresh)}; carried from checkpoint to checkpoint."""
 
     RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "strategy", "config",
-                "data_fingerprint", "run_id", "init_from")
+                "data_fingerprint", "run_id", "init_from", "base")
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in self.RECORDED}
@@ -329,7 +333,7 @@ class CheckpointManager:
         if self.comm.is_main and path.parent == self.root:
             self.owned.add(path)  # verified just now
         self.meta.run_id = manifest.get("run_id", self.meta.run_id)
-        self.meta.init_from = manifest.get("init_from")
+        self.meta.init_from, self.meta.base = manifest.get("init_from"), manifest.get("base")
         step = int(manifest["step"])
         log.info("loaded %s: step %d, %.2fs", path, step, time.monotonic() - t0)
         for dotted, (label, consequence) in self.meta.may_change.items():

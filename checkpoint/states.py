@@ -19,20 +19,32 @@ from common.seeds import derive_seed
 
 class ModelState:
     """A module's weights as a state dict of plain tensors (DDP, one process) or DTensors (FSDP),
-    under the module's own parameter names: the same keys whatever the strategy (docs/sharding.md)."""
+    under the module's own parameter names: the same keys whatever the strategy (docs/sharding.md).
+    `trainable_only`: the parameters that train and nothing else (a LoRA run's adapters: its frozen
+    base is referenced by its hash, never written; docs/lora.md)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False) -> None:
+        self.model, self.trainable_only = model, trainable_only
+
+    def _trainable(self) -> set[str]:
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        if self.trainable_only:
+            keep = self._trainable()
+            state = {k: v for k, v in state.items() if k in keep}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.model, state)
+        if self.trainable_only and set(state) != self._trainable():
+            raise KeyError(f"the checkpoint's trained parameters are not this model's: missing {sorted(self._trainable() - set(state))}, "
+                           f"unexpected {sorted(set(state) - self._trainable())}")
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.trainable_only))
 
 
 class OptimizerState:

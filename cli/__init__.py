@@ -4,7 +4,7 @@
     compare RUN_A RUN_B         are two runs bit-identical: weights and every logged loss (exit 0 identical, 1 not)
     generate PATH --prompt ...  continue a prompt with the fp16 weights (KV cache; temperature, top-k, top-p, ...)
     chat PATH [--prompt ...]    a fine-tuned run's reply with the tokenizer's chat template
-    export PATH --format minimind|hf --out OUT
+    export PATH --format minimind|hf|peft --out OUT
                                 MiniMind's state dict (fp16 .pth) or a Hugging Face folder with the tokenizer
     plot RUN [RUN ...] --out FILE.png
                                 loss, validation loss and LR against the step (matplotlib: requirements-extra.txt)
@@ -39,7 +39,7 @@ def inspect_checkpoint(path: Path, manifest: dict) -> dict:
     """Describe a checkpoint folder whose manifest is `manifest` (its files present; each read is verified)."""
     from model import MiniMindLM
 
-    from weights.ours import model_config
+    from weights import model_config
 
     metadata = storage.read_metadata(path, manifest)
     model = storage.read_tensors(path, manifest, "model.")
@@ -90,7 +90,7 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 def compare_runs(a: Path, b: Path) -> dict:
     """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
     `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
-    from weights.ours import checkpoint_weights
+    from weights import checkpoint_weights
 
     (_, ma, _, wa), (_, mb, _, wb) = checkpoint_weights(a), checkpoint_weights(b)
     sha_a, sha_b = storage.model_sha256(wa), storage.model_sha256(wb)
@@ -287,9 +287,10 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--top-p", type=float, default=1.0)
     ch.add_argument("--repetition-penalty", type=float, default=1.0)
     ch.add_argument("--seed", type=int, default=0)
-    e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf)")
+    e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf; a LoRA run's "
+                                          "merged), or a LoRA run's adapters for PEFT (--format peft)")
     e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
-    e.add_argument("--format", required=True, choices=("minimind", "hf"))
+    e.add_argument("--format", required=True, choices=("minimind", "hf", "peft"))
     e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf) to create")
     pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
     pl.add_argument("runs", type=Path, nargs="+")

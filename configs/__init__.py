@@ -21,6 +21,7 @@ from data import tokenizer as tokenizers
 from data.prepare import VERIFY
 from data.sampler import ORDERS
 from model.config import ModelConfig
+from model.lora import LoRAConfig, target_names
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
@@ -61,6 +62,8 @@ class TrainConfig:
     on any world size under dist.reduce=canonical, not to eager runs."""
     activation_checkpointing: str = "none"
     """none | full | every_K: recompute the blocks' activations in the backward (the same bits, less memory)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters over a frozen base (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -189,6 +192,11 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
+        if self.train.lora.rank:
+            try:
+                target_names(self.train.lora, self.model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
 

@@ -7,6 +7,8 @@ MUST_MATCH = {
     "config.seed": "seed", "global_batch": "train.global_batch",
     **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "files", "tokenizer", "seq_len", "num_samples", "options")},
     "data_fingerprint.order": "data.order",
+    # The adapters' shape and scale: another would be another model over the same base (docs/lora.md).
+    **{f"config.train.lora.{k}": f"train.lora.{k}" for k in ("rank", "alpha", "targets")},
 }
 _DIFFERS = "the optimization from here on differs from the uninterrupted run"
 MAY_CHANGE = {
@@ -23,6 +25,7 @@ MAY_CHANGE = {
     "strategy": ("dist.strategy", "the checkpoint's states are loaded exactly (DCP reshards them); the gradients are reduced by "
                  "the other strategy's reduction from here on, which gives the uninterrupted run's bits under dist.reduce=canonical "
                  "only"),
+    "config.train.lora.dropout": ("train.lora.dropout", _DIFFERS),
     "config.runtime.deterministic": ("runtime.deterministic", "other kernels may run: bit-equality with the uninterrupted run is not promised"),
 }
 

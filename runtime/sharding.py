@@ -42,11 +42,11 @@ def shard(model: torch.nn.Module, dtype: str, reshard_after_forward: bool) -> to
     return model
 
 
-def load_full(model: torch.nn.Module, full_state: dict) -> None:
-    """Every rank holds the same whole state dict: each keeps its shards of it."""
+def load_full(model: torch.nn.Module, full_state: dict, strict: bool = True) -> None:
+    """Every rank holds the same whole state dict (or, not strict, part of it): each keeps its shards of it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def fsdp_modules(model: torch.nn.Module) -> list:

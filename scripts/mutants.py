@@ -219,6 +219,15 @@ MUTANTS = (
            "model/model.py", "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False)",
            "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False, preserve_rng_state=False)",
            ("tests/test_compile.py::test_activation_checkpointing_full_and_every_2_are_bit_identical_to_none_with_dropout",)),
+    Mutant("lora-b-not-zero", "fresh adapters leave the base model as it was: B = 0 (docs/lora.md)",
+           "model/lora.py", "                adapted.lora_B.weight.zero_()\n", "                nn.init.normal_(adapted.lora_B.weight, std=0.02)\n",
+           ("tests/test_lora.py::test_fresh_adapters_leave_the_base_model_as_it_was_and_train_alone",)),
+    Mutant("lora-scale-dropped", "the update is scaled by alpha / rank, as PEFT scales it",
+           "model/lora.py", "self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scale", "self.lora_B(self.lora_A(self.lora_dropout(x)))",
+           ("tests/test_lora.py::test_peft_reads_our_adapter_over_our_hf_export_of_the_base_and_gives_our_logits",)),
+    Mutant("lora-base-trainable", "the base is frozen: no gradient, no optimizer state, not in the checkpoint",
+           "model/lora.py", "        p.requires_grad_(False)\n", "        pass\n",
+           ("tests/test_lora.py::test_fresh_adapters_leave_the_base_model_as_it_was_and_train_alone",)),
 )
 
 

@@ -3,7 +3,9 @@ checkpoints, MiniMind's .pth, Hugging Face folders; sources.py), the model and t
 checkpoint holds, for generation and chat (ours.py), and the exports for MiniMind and Hugging Face
 (exports.py). Every source is read once and hashed from the same bytes; nothing pickled runs."""
 from .exports import FORMATS, export
-from .ours import checkpoint_weights, load_model, load_tokenizer, tokenizer_files
-from .sources import init_from, read_source
+from .adapters import lora_start, read_adapters
+from .ours import load_model, load_tokenizer, tokenizer_files
+from .sources import base_weights, checkpoint_weights, init_from, model_config, read_source, verified_base
 
-__all__ = ["FORMATS", "checkpoint_weights", "export", "init_from", "load_model", "load_tokenizer", "read_source", "tokenizer_files"]
+__all__ = ["FORMATS", "base_weights", "checkpoint_weights", "export", "init_from", "load_model", "load_tokenizer", "lora_start", "model_config",
+           "read_adapters", "read_source", "tokenizer_files", "verified_base"]

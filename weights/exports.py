@@ -1,6 +1,7 @@
-"""A checkpoint's weights for others: MiniMind's state dict (fp16 .pth, MiniMind2's key names) or a
+"""A checkpoint's weights for others: MiniMind's state dict (fp16 .pth, MiniMind2's key names), a
 Hugging Face folder (config.json, model.safetensors, generation_config.json and the run's tokenizer
-files), written atomically; an existing output is refused (`python -m checkpoint export`)."""
+files), or a LoRA run's adapters as a PEFT folder; written atomically; an existing output is refused
+(`python -m checkpoint export`). A LoRA run's minimind and hf exports are merged: W + scale * B @ A."""
 from __future__ import annotations
 
 import json
@@ -16,10 +17,10 @@ from common.files import atomic_file, durable_tree, fsync_path
 from data import tokenizer as tokenizers
 from model.formats import WeightsError, hf_config, to_llama
 
-from .ours import checkpoint_weights, tokenizer_files
-from .sources import HF_CONFIG, HF_GENERATION, HF_WEIGHTS
+from .ours import tokenizer_files
+from .sources import HF_CONFIG, HF_GENERATION, HF_WEIGHTS, checkpoint_weights, lora_of, model_config
 
-FORMATS = ("minimind", "hf")
+FORMATS = ("minimind", "hf", "peft")
 
 
 def _refuse_existing(out: Path) -> None:
@@ -45,7 +46,10 @@ def _atomic_folder(out: Path, write) -> Path:
 
 
 def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
-    """Write the checkpoint's weights as a MiniMind2 state dict (fp16 .pth) or a Hugging Face Llama folder (fp32)."""
+    """Write the checkpoint's weights as a MiniMind2 state dict (fp16 .pth), a Hugging Face folder
+    (fp32), or a LoRA run's adapters as a PEFT folder (fp32, for the Hugging Face export of its base)."""
+    if fmt == "peft":
+        return _export_peft(Path(ckpt), Path(out))
     folder, manifest, cfg, state = checkpoint_weights(Path(ckpt))
     files = tokenizer_files(folder, manifest)
     out = Path(out)
@@ -72,3 +76,18 @@ def export(ckpt: str | Path, fmt: str, out: str | Path) -> Path:
             (tmp / name).write_bytes(data)
 
     return _atomic_folder(out, write)
+
+
+def _export_peft(ckpt: Path, out: Path) -> Path:
+    from checkpoint import storage
+
+    from .adapters import write_peft
+
+    folder, manifest, _ = storage.find_checkpoint(ckpt)
+    lora = lora_of(manifest)
+    if not lora.rank:
+        raise WeightsError(f"--format peft: {folder} holds a whole model, not adapters (train.lora.rank was 0): export it "
+                           f"with --format hf")
+    cfg, adapters = model_config(folder, manifest), storage.read_tensors(folder, manifest, "model.")
+    base = ((manifest.get("base") or {}).get("init_from") or {}).get("path")
+    return _atomic_folder(out, lambda tmp: write_peft(tmp, adapters, lora, cfg, base))

@@ -9,23 +9,11 @@ import torch
 
 from checkpoint import storage
 from data import tokenizer
-from model import MiniMindLM, ModelConfig
+from model import MiniMindLM
 from model.formats import WeightsError, check_fits
+from model.lora import attach
 
-
-def model_config(folder: Path, manifest: dict) -> ModelConfig:
-    """The model a checkpoint's manifest describes."""
-    try:
-        return ModelConfig.from_dict(manifest["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
-
-
-def checkpoint_weights(path: Path) -> tuple[Path, dict, ModelConfig, dict[str, torch.Tensor]]:
-    """(folder, manifest, model config, fp32 weights) of a checkpoint folder (or a run folder's newest
-    valid checkpoint); the weights assembled from every rank's state files, each verified."""
-    folder, manifest, _ = storage.find_checkpoint(path)
-    return folder, manifest, model_config(folder, manifest), storage.read_tensors(folder, manifest, "model.")
+from .sources import checkpoint_base, lora_of, model_config
 
 
 def tokenizer_files(folder: Path, manifest: dict) -> dict[str, bytes]:
@@ -43,19 +31,30 @@ def load_tokenizer(path: Path):
         raise storage.CheckpointError(str(e)) from None
 
 
-def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMindLM:
-    """The model of a checkpoint (or a run folder's newest), from its fp16 weights file.
+def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, fp32: bool = False) -> MiniMindLM:
+    """The model of a checkpoint (or a run folder's newest), from its fp16 weights file (`fp32`: from
+    its fp32 states, the weights as trained).
 
     The folder is verified against its manifest first, the model's shape comes from the manifest's
     config, and the weights are read once, hashed, and deserialized with `weights_only=True`:
-    nothing in the files can run."""
+    nothing in the files can run. A LoRA run's model is its base (verified, fp32) with the
+    checkpoint's adapters on it (the fp16 file holds them alone)."""
     folder, manifest, _ = storage.find_checkpoint(path)
     cfg = model_config(folder, manifest)
-    weights = storage.safe_load_bytes(storage.read_verified(folder, storage.WEIGHTS_FILE, manifest), folder / storage.WEIGHTS_FILE)
+    if fp32:
+        weights = storage.read_tensors(folder, manifest, "model.")
+    else:
+        weights = storage.safe_load_bytes(storage.read_verified(folder, storage.WEIGHTS_FILE, manifest), folder / storage.WEIGHTS_FILE)
     model = MiniMindLM(cfg)
+    lora = lora_of(manifest)
+    if lora.rank:
+        attach(model, lora, 0)  # the adapters' init is replaced below
+        base, _ = checkpoint_base(folder, manifest, cfg)
+        model.load_state_dict(base, strict=False)
+    expected = {k: v for k, v in model.state_dict().items() if not lora.rank or ".lora_" in k}
     try:  # a manifest whose config was edited describes another model than the weights hold
-        check_fits(weights, model.state_dict(), str(folder / storage.WEIGHTS_FILE))
+        check_fits(weights, expected, str(folder / storage.WEIGHTS_FILE))
     except WeightsError as e:
         raise storage.CheckpointError(f"{e}; the model is the one {folder / storage.MANIFEST}'s config describes") from None
-    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=not lora.rank)
     return model.to(device=device, dtype=dtype).eval()

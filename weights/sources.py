@@ -5,6 +5,9 @@ the same bytes (nothing pickled runs: `weights_only=True` or safetensors):
   - one of our fp16 weights files (`weights_fp16.pth`);
   - a MiniMind2 state dict (`.pth`, MiniMind2's key names: `model.embed_tokens`, ...);
   - a Hugging Face Llama folder (`config.json` + `model.safetensors`), as `export --format hf` writes.
+A LoRA run's checkpoint (train.lora) holds its adapters only: its weights are its base's (read from
+where the run read it, checked against the hash the adapters were trained over) with the adapters
+folded in (docs/lora.md).
 """
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ from pathlib import Path
 import torch
 
 from checkpoint import storage
+from common.seeds import seed_all
 from model import MiniMindLM, ModelConfig
 from model.formats import WeightsError, check_fits, check_tensors, from_llama, hf_differences, is_llama, llama_name
-
-from .ours import checkpoint_weights
+from model.lora import LoRAConfig, is_adapter, merged
 
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
 
@@ -40,6 +43,72 @@ def _safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
         return load(data)
     except (SafetensorError, ValueError) as e:
         raise WeightsError(f"{path}: not a safetensors file ({e})") from None
+
+
+def model_config(folder: Path, manifest: dict) -> ModelConfig:
+    """The model a checkpoint's manifest describes."""
+    try:
+        return ModelConfig.from_dict(manifest["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise storage.CheckpointError(f"{folder / storage.MANIFEST}: no usable model config ({type(e).__name__}: {e})") from None
+
+
+def lora_of(manifest: dict) -> LoRAConfig:
+    """The adapters a checkpoint's run trained (rank 0: none, the checkpoint holds the whole model)."""
+    return LoRAConfig.of((manifest.get("config", {}).get("train") or {}).get("lora"))
+
+
+def base_weights(cfg: ModelConfig, seed: int, path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A LoRA run's base, fp32, under our keys: the weights at `path` (any model.init_from source), or
+    with no path the seeded init of `seed` (drawn apart: the caller's generators are left as they were).
+    Returns (weights, the source's record or None)."""
+    if not path:
+        with torch.random.fork_rng(devices=[]):
+            seed_all(seed)
+            return MiniMindLM(cfg).state_dict(), None
+    state, record = read_source(path, cfg)
+    names = llama_name if record["keys"] == "llama" else (lambda k: k)
+    check_fits(state, _base_shapes(cfg), str(path), names)
+    check_tensors(state, str(path), names)
+    return {k: v.to(torch.float32) for k, v in state.items()}, record
+
+
+def _base_shapes(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        return MiniMindLM(cfg).state_dict()
+
+
+def verified_base(cfg: ModelConfig, seed: int, path: str, expected: str, whose: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """`base_weights`, refused unless their model_sha256 is `expected` (the base `whose` adapters were trained over)."""
+    state, record = base_weights(cfg, seed, path)
+    got = storage.model_sha256(state)
+    if got != expected:
+        where = path or f"the seeded init of seed {seed}"
+        raise WeightsError(f"train.lora: the base at {where} has weights sha256 {got}, but {whose} were trained over "
+                           f"sha256 {expected} (model.init_from names the base: give the one they were trained over)")
+    return state, record
+
+
+def checkpoint_weights(path: Path) -> tuple[Path, dict, ModelConfig, dict[str, torch.Tensor]]:
+    """(folder, manifest, model config, fp32 weights) of a checkpoint folder (or a run folder's newest
+    valid checkpoint); the weights assembled from every rank's state files, each verified. A LoRA
+    run's: its base (verified) with the adapters folded in."""
+    folder, manifest, _ = storage.find_checkpoint(path)
+    cfg, state = model_config(folder, manifest), storage.read_tensors(folder, manifest, "model.")
+    lora = lora_of(manifest)
+    if lora.rank:
+        base, _ = checkpoint_base(folder, manifest, cfg)
+        state = merged(base, state, lora.scale)
+    return folder, manifest, cfg, state
+
+
+def checkpoint_base(folder: Path, manifest: dict, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A LoRA checkpoint's base, read from where its run read it, verified against the manifest's hash."""
+    base = manifest.get("base") or {}
+    if "sha256" not in base:
+        raise storage.CheckpointError(f"{folder / storage.MANIFEST}: a LoRA checkpoint without the hash of its base")
+    source = (base.get("init_from") or {}).get("path", "")
+    return verified_base(cfg, int(manifest["config"].get("seed", 0)), source, base["sha256"], f"the adapters of {folder}")
 
 
 def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
@@ -90,10 +159,13 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
 
 
 def init_from(model: MiniMindLM, path: str | Path) -> dict:
-    """Load the weights at `path` into `model` (fp32); keys and shapes must match exactly. Returns the source's record."""
+    """Load the weights at `path` into `model` (fp32); keys and shapes must match exactly (a model with
+    adapters takes them into its base and keeps its adapters). Returns the source's record."""
     state, record = read_source(path, model.cfg)
     names = llama_name if record["keys"] == "llama" else (lambda k: k)
-    check_fits(state, model.state_dict(), str(path), names)
+    base = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+    check_fits(state, base, str(path), names)
     check_tensors(state, str(path), names)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    missing, _ = model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+    assert all(is_adapter(k) for k in missing), missing
     return record
