@@ -25,19 +25,19 @@ import runtime
 import weights
 from checkpoint import CheckpointManager, ModelState, OptimizerState, Resumed, RunMeta, model_sha256, new_run_id
 from common.files import atomic_write
-from common.outcome import exit_code, outcome_of
+from common.outcome import attempt, exit_code, outcome_of
 from common.seeds import derive_seed, seed_all
 from configs import Config, ConfigError, describe, load_config, load_tokenizer, to_dict
 from configs.resume import policy
 from data import BatchPlan, BatchPlanError, BlockDistributedSampler, PackedDataset, unigram_entropy
 from data.loader import step_batches
-from data.run import data_of_run
+from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
-from objectives import NextToken, evaluate, lr_at, make_optimizer
+from objectives import NextToken, evaluate, lr_at, make_objective, make_optimizer, make_plan
 from run import folder, tracking
 from run.metrics import Metrics, truncate
-from run.protocol import Protocol, attempt, describe as describe_error
+from run.protocol import Protocol, describe as describe_error
 from run.state import TrainState
 from run.stop import StopFlag, exit_now, ignore_stop_signals
 
@@ -67,7 +67,7 @@ class Run:
         # The same states, under the same names, whatever the strategy: a checkpoint resumes under either (docs/sharding.md).
         # A LoRA run's model state is its adapters: the frozen base is referenced by its hash (docs/lora.md).
         return {"model": ModelState(self.model, trainable_only=self.ckpt.meta.config["train"]["lora"]["rank"] > 0), "optimizer": OptimizerState(self.model, self.opt), "train": self.train_state,
-                **({"scaler": self.scaler} if self.scaler else {})}
+                **({"scaler": self.scaler} if self.scaler else {}), **self.objective.states()}
 
 
 def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
@@ -75,7 +75,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
     checkpoint manager. Ends in an agreement: no rank enters the resume alone."""
     tok = load_tokenizer(cfg)
     dataset, val_dataset, fingerprint = data_of_run(cfg.data, cfg.model.seq_len, cfg.seed, cfg.dist.timeout_s, rt, tok)
-    plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
+    plan = make_plan(cfg, rt.world_size)
     spe = plan.steps_per_epoch(len(dataset))
     if spe == 0:
         raise BatchPlanError(f"data: {len(dataset)} samples do not fill one global batch of {plan.global_batch}")
@@ -94,7 +94,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
                    data_fingerprint=fingerprint, run_id=rt.broadcast(new_run_id()), must_match=must_match, may_change=may_change,
                    files=tok.files)
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta, durable=(Path(cfg.out_dir) / folder.METRICS,))
-    chat = cfg.data.format == "chat"
+    chat = cfg.data.format != "text"
     entropy = [float("nan")]  # the pretraining yardstick, from the counts packing stored beside the corpus (rank 0)
     if rt.is_main and not chat:
         failed = attempt(lambda: entropy.__setitem__(0, unigram_entropy(dataset.bin_path, len(dataset) * (cfg.model.seq_len + 1),
@@ -103,19 +103,14 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         failed = None
     protocol.agree("set-up", failed)
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt,
-              NextToken(dataset, plan.micro_batches, chat, model), entropy[0], sharded, watch)
+              make_objective(cfg, dataset, plan.micro_batches, model, tok, rt), entropy[0], sharded, watch)
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s | dist.strategy=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads,
                  cfg.dist.reduce, cfg.dist.strategy)
         log.info("data: %d samples of %d tokens, %d steps/epoch | global batch %d = micro %d x accum %d x world %d",
                  len(dataset), cfg.model.seq_len, spe, plan.global_batch, plan.micro_batch, plan.accum, rt.world_size)
-        if not chat:
-            log.info("data: unigram entropy of the corpus %.4f nats/token (a model that beats it has learnt context)", run.unigram_entropy)
-        else:
-            m = fingerprint
-            log.info("data: %d conversations, %d of %d tokens taught (data.loss_on=%s), %.1f%% of the rows' positions padding",
-                     m["conversations"], m["taught"], m["tokens"], cfg.data.loss_on, 100 * m["padding"] / max(1, m["tokens"] + m["padding"]))
+        log.info("data: %s", summary(fingerprint, cfg.data.loss_on, run.unigram_entropy))
     return run
 
 
@@ -171,6 +166,7 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
     write config.yaml and open the log and the tracker; every rank agrees on the outcome."""
     resumed = run.ckpt.load(run.states)
     start_from_weights(cfg, rt, run, resumed, protocol)
+    run.objective.start(cfg, rt, run.ckpt.meta, resumed, protocol.agree, run.ckpt.meta.files)
     if resumed:
         where, odd = run.train_state.resumed_from(resumed.world_size, resumed.micro_batch, run.plan, run.steps_per_epoch)
         log.info("%s", where)
@@ -226,11 +222,8 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
 
 def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
     """The reduction, wrapped after the load; under canonical, every rank must start from the same bits."""
-    if cfg.dist.reduce == "canonical" and not run.sharded:
-        hashes = rt.all_gather(model_sha256(run.model.state_dict()))
-        if len(set(hashes)) > 1:
-            raise RuntimeError(f"dist.reduce=canonical: ranks hold different weights at step {run.train_state.step}: {hashes}")
-    return runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum)
+    return runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,
+                                lambda m: model_sha256(m.state_dict()), run.train_state.step)
 
 
 def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol) -> tuple[str, int]:
@@ -265,7 +258,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         for group in run.opt.param_groups:
             group["lr"] = lr
         indices = sampler.step_indices(s)
-        run.objective.begin_step(indices)
+        run.objective.begin_step(indices, step)
+        run.objective.prepare(run.model, micro_batches, rt, protocol.agree)  # GRPO's rollout, agreed
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
         seconds = time.perf_counter() - t0

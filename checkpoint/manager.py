@@ -86,8 +86,15 @@ class RunMeta:
     model_sha256, init_from: where they were read (None: the seeded init), adapters_from: the
     adapters it began from (None: fresh)}; carried from checkpoint to checkpoint."""
 
+    reference: dict | None = None
+    """A DPO run's reference model: {sha256: its weights' model_sha256, source: where they were read
+    (None: the seeded init)}; carried from checkpoint to checkpoint."""
+
+    reward: dict | None = None
+    """A GRPO run's reward: {spec, and for a user's function its file and sha256}; carried from checkpoint to checkpoint."""
+
     RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "strategy", "config",
-                "data_fingerprint", "run_id", "init_from", "base")
+                "data_fingerprint", "run_id", "init_from", "base", "reference", "reward")
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in self.RECORDED}
@@ -333,7 +340,8 @@ class CheckpointManager:
         if self.comm.is_main and path.parent == self.root:
             self.owned.add(path)  # verified just now
         self.meta.run_id = manifest.get("run_id", self.meta.run_id)
-        self.meta.init_from, self.meta.base = manifest.get("init_from"), manifest.get("base")
+        for key in ("init_from", "base", "reference", "reward"):  # what the run began from and pinned, carried on
+            setattr(self.meta, key, manifest.get(key))
         step = int(manifest["step"])
         log.info("loaded %s: step %d, %.2fs", path, step, time.monotonic() - t0)
         for dotted, (label, consequence) in self.meta.may_change.items():

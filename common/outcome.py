@@ -101,8 +101,19 @@ def command(main, argv: list[str] | None = None) -> int:
     return 0
 
 
+def attempt(fn, *args, **kwargs) -> BaseException | None:
+    """Run rank-local work whose failure is brought to the next agreement point instead of raised
+    (run/protocol.py): the exception, or None."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - voted on at the next agreement point, then raised on every rank
+        return e
+    return None
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in EXIT_CODES:
         print(f"usage: python3 -m common.outcome {{{','.join(OUTCOMES)}}}", file=sys.stderr)
         sys.exit(2)
     print(exit_code(sys.argv[1]))
+

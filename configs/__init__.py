@@ -22,6 +22,8 @@ from data.prepare import VERIFY
 from data.sampler import ORDERS
 from model.config import ModelConfig
 from model.lora import LoRAConfig, target_names
+from objectives.dpo import DPOConfig
+from objectives.grpo import GRPOConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
@@ -64,6 +66,11 @@ class TrainConfig:
     """none | full | every_K: recompute the blocks' activations in the backward (the same bits, less memory)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters over a frozen base (docs/lora.md)."""
+    objective: str = "next_token"
+    """next_token (pretraining, SFT) | dpo (preference pairs, data.format=preference: docs/dpo.md) | grpo (GRPO or
+    CISPO over prompts, data.format=prompts: docs/rl.md)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -73,6 +80,12 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
         choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        choice("train.objective", self.objective, ("next_token", "dpo", "grpo"))
+        g = self.grpo.generations
+        if self.objective == "grpo" and (self.global_batch % g or self.micro_batch % g):
+            raise ConfigError(f"train.global_batch={self.global_batch} and train.micro_batch={self.micro_batch} count completions "
+                              f"under train.objective=grpo: both must be multiples of train.grpo.generations={g} (a group is "
+                              f"generated and scored within one micro-batch)")
         from runtime.speed import checkpointed_blocks
 
         checkpointed_blocks(self.activation_checkpointing, 1)  # a ValueError naming the key
@@ -99,7 +112,9 @@ class DataConfig:
     training never sees them. The same rule on every world size."""
     format: str = "text"
     """text: pretraining ({"text": ...} lines) | chat: conversations ({"conversations": [...]}, MiniMind's SFT files)
-    rendered with the tokenizer's chat template (docs/sft.md)."""
+    rendered with the tokenizer's chat template (docs/sft.md) | preference: pairs ({"chosen": [...], "rejected":
+    [...]}, MiniMind's dpo.jsonl) for train.objective=dpo (docs/dpo.md) | prompts: MiniMind's rlaif.jsonl or
+    {"prompt", "answer", ...} lines for train.objective=grpo (docs/rl.md)."""
     loss_on: str = "assistant"
     """chat: assistant (only the assistant turns teach: MiniMind's rule) | all (every token of the conversation)."""
     pack: bool = True
@@ -123,7 +138,7 @@ class DataConfig:
         _positive("data.num_workers", self.num_workers, zero_ok=True)
         _positive("data.val_samples", self.val_samples, zero_ok=True)
         choice("data.order", self.order, ORDERS)
-        choice("data.format", self.format, ("text", "chat"))
+        choice("data.format", self.format, ("text", "chat", "preference", "prompts"))
         choice("data.loss_on", self.loss_on, ("assistant", "all"))
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
@@ -192,6 +207,17 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
+        pairs = {"dpo": "preference", "grpo": "prompts"}
+        if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
+            raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
+                              f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
+                              f"(train.objective=grpo with data.format=prompts), next_token on text or chat")
+        if self.train.objective != "next_token" and self.eval.interval:
+            raise ConfigError(f"eval.interval with train.objective={self.train.objective}: not supported (every step logs its "
+                              f"rewards)")
+        if self.train.objective == "grpo" and self.dist.strategy == "fsdp":
+            raise ConfigError("train.objective=grpo with dist.strategy=fsdp: not supported (each rank generates its groups alone, "
+                              "which a sharded model cannot: use dist.strategy=ddp)")
         if self.train.lora.rank:
             try:
                 target_names(self.train.lora, self.model)

@@ -9,6 +9,9 @@ MUST_MATCH = {
     "data_fingerprint.order": "data.order",
     # The adapters' shape and scale: another would be another model over the same base (docs/lora.md).
     **{f"config.train.lora.{k}": f"train.lora.{k}" for k in ("rank", "alpha", "targets")},
+    "config.train.objective": "train.objective",
+    # A rollout's shape and what it serves: another would be another step (docs/rl.md).
+    **{f"config.train.grpo.{k}": f"train.grpo.{k}" for k in ("generations", "updates_per_rollout", "loss", "reward")},
 }
 _DIFFERS = "the optimization from here on differs from the uninterrupted run"
 MAY_CHANGE = {
@@ -26,6 +29,8 @@ MAY_CHANGE = {
                  "the other strategy's reduction from here on, which gives the uninterrupted run's bits under dist.reduce=canonical "
                  "only"),
     "config.train.lora.dropout": ("train.lora.dropout", _DIFFERS),
+    **{f"config.train.{k}": (f"train.{k}", _DIFFERS) for k in ("dpo.beta", "grpo.temperature", "grpo.top_p", "grpo.max_new_tokens",
+                                                              "grpo.beta", "grpo.eps", "grpo.eps_high")},
     "config.runtime.deterministic": ("runtime.deterministic", "other kernels may run: bit-equality with the uninterrupted run is not promised"),
 }
 

@@ -137,27 +137,32 @@ def parse_conversation(path: Path, lineno: int, raw: bytes):
     turns = obj.get("conversations") if isinstance(obj, dict) else None
     if not isinstance(turns, list) or not turns:
         raise DataError(f'{path}:{lineno}: expected an object with a non-empty "conversations" list, got {raw[:80]!r}')
+    return messages_of(turns, path, lineno, "conversations")
+
+
+def messages_of(turns: list, path: Path, lineno: int, what: str) -> tuple[list[dict], list | None]:
+    """A list of turns as (messages, tools), each turn checked; DataError naming file:line and `what`[k]."""
     messages, tools = [], None
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise DataError(f"{path}:{lineno}: conversations[{k}] is not an object")
+            raise DataError(f"{path}:{lineno}: {what}[{k}] is not an object")
         role = turn.get("role")
         if role not in ROLES:
-            raise DataError(f"{path}:{lineno}: conversations[{k}] has role {role!r}; expected one of {', '.join(ROLES)}")
+            raise DataError(f"{path}:{lineno}: {what}[{k}] has role {role!r}; expected one of {', '.join(ROLES)}")
         content = turn.get("content")
         if not isinstance(content, str):
-            raise DataError(f"{path}:{lineno}: conversations[{k}] ({role}): content must be a string, got "
+            raise DataError(f"{path}:{lineno}: {what}[{k}] ({role}): content must be a string, got "
                             f"{type(content).__name__}")
         message = {"role": role, "content": check_text(path, lineno, content)}
         if role == "assistant":
             if turn.get("reasoning_content") is not None:
                 if not isinstance(turn["reasoning_content"], str):
-                    raise DataError(f"{path}:{lineno}: conversations[{k}] (assistant): reasoning_content must be a string")
+                    raise DataError(f"{path}:{lineno}: {what}[{k}] (assistant): reasoning_content must be a string")
                 message["reasoning_content"] = check_text(path, lineno, turn["reasoning_content"])
             if turn.get("tool_calls"):
-                message["tool_calls"] = _json_or_list(turn["tool_calls"], path, lineno, f"conversations[{k}].tool_calls")
+                message["tool_calls"] = _json_or_list(turn["tool_calls"], path, lineno, f"{what}[{k}].tool_calls")
         if role == "system" and turn.get("tools"):
-            tools = _json_or_list(turn["tools"], path, lineno, f"conversations[{k}].tools")
+            tools = _json_or_list(turn["tools"], path, lineno, f"{what}[{k}].tools")
         messages.append(message)
     return messages, tools
 
@@ -171,10 +176,12 @@ class ChatOptions:
     drop_long: bool = False
     system_prompt_ratio: float = 0.0
     seed: int = 0
+    kind: str = "chat"
+    """chat (conversations) or preference (pairs, data/preference.py)."""
 
     def key(self) -> dict:
         """The options in the cache key and fingerprint (the seed only when it is used)."""
-        out = {"format": "chat", "loss_on": self.loss_on, "pack": self.pack, "drop_long": self.drop_long}
+        out = {"format": self.kind, "loss_on": self.loss_on, "pack": self.pack, "drop_long": self.drop_long}
         if self.system_prompt_ratio:
             out.update(system_prompt_ratio=self.system_prompt_ratio, seed=self.seed)
         return out
@@ -263,21 +270,32 @@ class Packer:
                 return []
             self.stats["truncated"] += 1
             ids, taught = ids[: self.seq_len + 1], taught[: self.seq_len + 1]
-        x = np.asarray(ids[:-1], dtype=np.int64)
-        y = np.where(np.asarray(taught[1:], dtype=bool), np.asarray(ids[1:], dtype=np.int64), IGNORE)
-        if len(x) == 0 or not (y != IGNORE).any():
+        piece = self.piece(ids, taught)
+        if piece is None:
             self.stats["untaught"] += 1
             return []
         self.stats["conversations"] += 1
+        return self.place(piece)
+
+    def piece(self, ids: list[int], taught: list[bool]) -> np.ndarray | None:
+        """(input, target, position) planes of one sequence, counted; None when nothing in it teaches."""
+        x = np.asarray(ids[:-1], dtype=np.int64)
+        y = np.where(np.asarray(taught[1:], dtype=bool), np.asarray(ids[1:], dtype=np.int64), IGNORE)
+        if len(x) == 0 or not (y != IGNORE).any():
+            return None
         self.stats["tokens"] += len(x)
         self.stats["taught"] += int((y != IGNORE).sum())
-        piece = np.stack([x, y, np.arange(len(x), dtype=np.int64)])
+        return np.stack([x, y, np.arange(len(x), dtype=np.int64)])
+
+    def place(self, piece: np.ndarray) -> list[np.ndarray]:
+        """Put a piece (planes x length) in a row: the tightest open fit, else a new row; returns the rows this closed."""
+        n = piece.shape[1]
         if not self.pack:
             return [self._row([piece])]
-        fits = [r for r in self.open if self.seq_len - r[0] >= len(x)]
+        fits = [r for r in self.open if self.seq_len - r[0] >= n]
         if fits:
             row = min(fits, key=lambda r: self.seq_len - r[0])  # the tightest fit; the first of equals
-            row[0] += len(x)
+            row[0] += n
             row[1].append(piece)
             return []
         closed = []
@@ -285,7 +303,7 @@ class Packer:
             fullest = max(self.open, key=lambda r: r[0])
             self.open.remove(fullest)
             closed.append(self._row(fullest[1]))
-        self.open.append([len(x), [piece]])
+        self.open.append([n, [piece]])
         return closed
 
     def finish(self) -> list[np.ndarray]:
@@ -296,8 +314,9 @@ class Packer:
     def _row(self, pieces: list[np.ndarray]) -> np.ndarray:
         row = np.concatenate(pieces, axis=1)
         pad = self.seq_len - row.shape[1]
-        if pad:  # padding: no target, and each pad position its own one-token segment (position 0)
-            row = np.concatenate([row, np.array([[self.pad] * pad, [IGNORE] * pad, [0] * pad], dtype=np.int64)], axis=1)
+        if pad:  # padding: no target, and each pad position its own one-token segment (position 0); further planes 0
+            fill = [[self.pad] * pad, [IGNORE] * pad, [0] * pad] + [[0] * pad] * (row.shape[0] - 3)
+            row = np.concatenate([row, np.array(fill, dtype=np.int64)], axis=1)
         self.stats["rows"] += 1
         return row
 

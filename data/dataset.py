@@ -21,6 +21,16 @@ def taught_path(bin_path: Path) -> Path:
     return bin_path.with_name(bin_path.stem + ".taught.npy")
 
 
+def pairs_path(bin_path: Path) -> Path:
+    """A packed preference file's pair count per row (a .npy of uint32), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".pairs.npy")
+
+
+def lengths_path(bin_path: Path) -> Path:
+    """A packed prompt file's prompt lengths (a .npy of uint32), written before its fingerprint."""
+    return bin_path.with_name(bin_path.stem + ".lengths.npy")
+
+
 class PackedDataset(Dataset):
     """Samples of `seq_len + 1` token ids (uint16 or uint32 in the file); `num_samples` > 0 keeps only the first N, and `start` skips
     the first samples (a held-out validation set is the tail of the file's first N)."""
@@ -89,3 +99,69 @@ class ChatDataset(PackedDataset):
             raise IndexError(index)
         x, y, pos = torch.from_numpy(self._rows()[self.start + index].astype(np.int64)).view(3, self.seq_len)
         return x, y - 1 - 99 * (y == 0), pos  # stored + 1, 0 for "not taught": back to -100
+
+
+class PreferenceDataset(ChatDataset):
+    """Rows of packed preference pairs (data/preference.py): (input ids, targets with -100 where
+    nothing is taught, positions, sides: 2k + 1 the k-th pair's chosen side, 2k + 2 its rejected,
+    0 padding), each of seq_len. `pairs(indices)` counts the pairs of those rows from the count
+    packing wrote beside the file; `max_pairs` is the most any row holds."""
+
+    ROW_PLANES = 4
+
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
+        PackedDataset.__init__(self, bin_path, seq_len, num_samples, start, dtype)
+        self._taught = np.load(pairs_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+        self.max_pairs = int(self._taught.max()) if len(self._taught) else 0
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._taught = np.load(pairs_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+
+    def pairs(self, indices: list[int]) -> int:
+        return self.taught(indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        x, y, pos, side = torch.from_numpy(self._rows()[self.start + index].astype(np.int64)).view(4, self.seq_len)
+        return x, y - 1 - 99 * (y == 0), pos, side
+
+
+class PromptDataset(PackedDataset):
+    """Prompts for reinforcement learning (data/prompts.py): row i is (its ids padded to seq_len,
+    its length, i); `fields(i)` is the line's fields (the reward functions' keywords)."""
+
+    ROW_PLANES = 1
+
+    def __init__(self, bin_path: Path, seq_len: int, num_samples: int = 0, start: int = 0, dtype: str = "uint16") -> None:
+        super().__init__(bin_path, seq_len, num_samples, start, dtype)
+        self._lengths = np.load(lengths_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+        self._fields: list[dict] | None = None
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_lengths": None, "_fields": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lengths = np.load(lengths_path(self.bin_path), mmap_mode="r", allow_pickle=False)
+
+    def fields(self, index: int) -> dict:
+        if self._fields is None:
+            import json
+
+            with open(self.bin_path.with_name(self.bin_path.stem + ".fields.jsonl"), encoding="utf-8") as f:
+                self._fields = [json.loads(line) for line in f]
+        return self._fields[self.start + index]
+
+    def longest(self) -> tuple[int, int]:
+        """(the longest prompt's length, its index)."""
+        lengths = np.asarray(self._lengths[self.start: self.start + self.n])
+        k = int(lengths.argmax())
+        return int(lengths[k]), k
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        row = torch.from_numpy(self._rows()[self.start + index].astype(np.int64))
+        return row, int(self._lengths[self.start + index]), index

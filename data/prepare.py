@@ -26,11 +26,17 @@ import numpy as np
 from common.files import atomic_file, atomic_write, tmp_prefix
 
 from . import sources, tokenizer
-from .dataset import counts_path, taught_path
+from .dataset import counts_path, lengths_path, pairs_path, taught_path
 from .sources import Corpus, DataError, batches, read_ahead, sha256_file, stat_identity
 
 BUILTIN = "stdlib"
 """`data.path` value that selects the built-in corpus: the standard library's docstrings."""
+BUILTIN_PREFERENCE = "stdlib-preference"
+"""`data.path` value that selects the built-in preference pairs: the built-in chat corpus's answers
+against another question's (for data.format=preference; data/preference.py)."""
+BUILTIN_ARITH = "stdlib-arith"
+"""`data.path` value that selects the built-in verifiable task: small sums with their answers (for
+data.format=prompts; data/prompts.py)."""
 BUILTIN_CHAT = "stdlib-chat"
 """`data.path` value that selects the built-in chat corpus: questions about the standard library
 answered by its docstrings (for data.format=chat)."""
@@ -139,6 +145,15 @@ def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus
         return Corpus.of_file(build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl"))
     if path == BUILTIN_CHAT:
         return Corpus.of_file(build_stdlib_chat(cache_dir / "stdlib_chat.jsonl"))
+    if path == BUILTIN_ARITH:
+        from .prompts import build_stdlib_arith
+
+        return Corpus.of_file(build_stdlib_arith(cache_dir / "stdlib_arith.jsonl"))
+    if path == BUILTIN_PREFERENCE:
+        from .preference import build_stdlib_preference
+
+        return Corpus.of_file(build_stdlib_preference(build_stdlib_chat(cache_dir / "stdlib_chat.jsonl"),
+                                                      cache_dir / "stdlib_preference.jsonl"))
     return sources.resolve(path, key)
 
 
@@ -186,8 +201,12 @@ def cache_stem(corpus: Corpus, seq_len: int, tok, options: dict | None = None) -
     return f"{corpus.stem}{'-chat' if options else ''}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}-L{seq_len}"
 
 
-def side_path(bin_path: Path, chat: bool) -> Path:
-    return taught_path(bin_path) if chat else counts_path(bin_path)
+def side_path(bin_path: Path, chat) -> Path:
+    """The file packing writes beside `bin_path`: token counts (text), taught tokens per row (chat),
+    pairs per row (preference)."""
+    if chat is None:
+        return counts_path(bin_path)
+    return {"preference": pairs_path, "prompts": lengths_path}.get(chat.kind, taught_path)(bin_path)
 
 
 def _trusted(record: dict, identity: dict) -> bool:
@@ -257,9 +276,10 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
     options, template = chat_options(tok, chat)  # before anything is written: no template, nothing packed
     cache_dir.mkdir(parents=True, exist_ok=True)
     stem = cache_stem(corpus, seq_len, tok, options)
-    bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat is not None)
+    bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat)
     dtype = tokenizer.id_dtype(tok.vocab_size + (1 if chat is not None else 0))  # chat targets are stored + 1 (0: none)
-    row = (3 if chat is not None else 1) * seq_len + (0 if chat is not None else 1)
+    fields = None
+    row = seq_len + 1 if chat is None else {"preference": 4, "prompts": 1}.get(chat.kind, 3) * seq_len
     here = {"tokenizer_source": tok.source} if hasattr(tok, "source") else {}
     if meta_path.exists() and bin_path.exists() and side.exists():
         try:
@@ -291,6 +311,16 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
             if chat is None:
                 reader = sources.Reader(corpus)
                 stats, side_data = _build_text(reader, tok, seq_len, dtype, out, progress, batch_bytes)
+            elif chat.kind == "prompts":
+                from . import prompts
+
+                reader = sources.Reader(corpus, parse=prompts.parse_prompt)
+                stats, side_data, fields = prompts.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
+            elif chat.kind == "preference":
+                from . import preference
+
+                reader = sources.Reader(corpus, parse=preference.parse_pair)
+                stats, side_data = preference.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
             else:
                 from . import chat as chats
 
@@ -304,6 +334,10 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
         mb_per_s, seconds = progress.close()
     with atomic_file(side, "wb") as f:
         np.save(f, side_data, allow_pickle=False)
+    if fields is not None:  # a prompt file's fields, for the rewards (data/prompts.py)
+        from .prompts import fields_path, write_fields
+
+        write_fields(fields_path(bin_path), fields)
     records = [{"name": r["name"], "path": r["path"], "sha256": r["sha256"],
                 "identity": {k: r[k] for k in ("size", "mtime_ns", "inode")}, "checked_ns": checked_ns} for r in reader.records]
     meta = {
@@ -393,7 +427,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
     parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
     parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="data.cache_dir of the run (default %(default)s)")
-    parser.add_argument("--format", choices=("text", "chat"), default="text", help="as data.format (default %(default)s)")
+    parser.add_argument("--format", choices=("text", "chat", "preference", "prompts"), default="text", help="as data.format (default %(default)s)")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="chat: as data.loss_on")
     parser.add_argument("--no-pack", action="store_true", help="chat: one padded conversation per row (data.pack=false)")
     parser.add_argument("--drop-long", action="store_true", help="chat: as data.drop_long")
@@ -407,10 +441,10 @@ def _main(argv: list[str] | None = None) -> int:
         raise DataError(f"--seq-len {args.seq_len}: expected a positive number of tokens")
     tok = tokenizer.load(args.tokenizer)
     chat = None
-    if args.format == "chat":
+    if args.format != "text":
         from .chat import ChatOptions
 
-        chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed)
+        chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed, args.format)
     for spec in args.corpora:
         t0 = time.monotonic()
         corpus = resolve_source(spec, args.cache_dir)
@@ -420,7 +454,7 @@ def _main(argv: list[str] | None = None) -> int:
         seconds = time.monotonic() - t0
         mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
         done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
-        counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "rows",
+        counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "pairs", "prompts", "rows",
                                                              "tokens", "taught", "truncated", "dropped_long", "untaught")})
         rows = f"rows of {args.seq_len} positions" if chat else f"samples of {args.seq_len + 1} tokens"
         print(f"{spec}: {len(meta['sources'])} file(s), {counts} ({rows}) -> {bin_path}; "

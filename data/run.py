@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 
 from common.outcome import RankFailed
-from runtime.board import Heartbeat, wait_for
+from runtime.board import hand_off
 
 from .chat import ChatOptions
-from .dataset import ChatDataset, PackedDataset
+from .dataset import ChatDataset, PackedDataset, PreferenceDataset, PromptDataset
 from .prepare import pack, resolve_source
 from .sources import DataError
 
@@ -48,30 +48,15 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
     any kind fails every rank with the same RankFailed, naming it. `rt` is the run's runtime (rank,
     local_rank, world_size, all_gather, board). Returns the training set, the validation set (or None)
     and the fingerprint."""
-    chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed) if cfg.format == "chat" else None
+    chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed, cfg.format) if cfg.format != "text" else None
     packer = 0 if cfg.shared_cache else rt.rank - rt.local_rank
-    if rt.world_size == 1:
-        outcomes = {0: _pack(cfg, seq_len, tok, chat, None)}
-    else:
-        packers = sorted(set(rt.all_gather(packer)))  # before anyone packs: a collective that waits for nobody
-        key = "pack/{}".format
-        if rt.rank == packer:
-            with Heartbeat(rt.board, key(packer)) as beat:
-                try:
-                    outcome = _pack(cfg, seq_len, tok, chat, beat.progress)
-                except BaseException:  # a stop signal: the waiters end too, the signal's outcome is this rank's
-                    beat.finish({"error": f"the packer (rank {rt.rank}) was stopped", "outcome": "failed"})
-                    raise
-                beat.finish(outcome)
-        outcomes = {}
-        for r in sorted(packers, key=lambda r: r != packer):  # this node's packer first
-            outcomes[r] = wait_for(rt.board, key(r), timeout_s, f"the packer (rank {r})", rt.rank, talk=rt.rank == packer + 1)
+    outcomes = hand_off(rt, "pack", packer, lambda progress: _pack(cfg, seq_len, tok, chat, progress), timeout_s, "the packer")
     for r, outcome in outcomes.items():
         if "error" in outcome:
             raise RankFailed(r, outcome["outcome"], outcome["error"], "packing")
     mine = outcomes[packer]
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
-    kind = ChatDataset if chat else PackedDataset
+    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset}.get(chat.kind, ChatDataset)
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {seq_len + 1} tokens")
@@ -87,3 +72,15 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
                    **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.val_path else {}),
                    **({"order": cfg.order} if cfg.order != "randperm" else {})}  # absent: randperm, as before the option
     return dataset, val, fingerprint
+
+
+def summary(fingerprint: dict, loss_on: str, entropy: float) -> str:
+    """What the run's data is, in one line of the log."""
+    m = fingerprint
+    if "prompts" in m:
+        return f"{m['prompts']} prompts, {m['tokens']} tokens, the longest {m['max_prompt']}"
+    if "taught" not in m:
+        return f"unigram entropy of the corpus {entropy:.4f} nats/token (a model that beats it has learnt context)"
+    what = f"{m['pairs']} pairs" if "pairs" in m else f"{m['conversations']} conversations"
+    return (f"{what}, {m['taught']} of {m['tokens']} tokens taught (data.loss_on={loss_on}), "
+            f"{100 * m['padding'] / max(1, m['tokens'] + m['padding']):.1f}% of the rows' positions padding")

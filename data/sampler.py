@@ -34,6 +34,8 @@ class BatchPlan:
     global_batch: int
     micro_batch: int
     world_size: int
+    repeat: int = 1
+    """Optimizer steps on each global batch (GRPO's updates_per_rollout): the order advances every `repeat` steps."""
 
     def __post_init__(self) -> None:
         g, m, w = self.global_batch, self.micro_batch, self.world_size
@@ -62,7 +64,7 @@ class BatchPlan:
 
     def steps_per_epoch(self, num_samples: int) -> int:
         """Optimizer steps in an epoch: the tail that does not fill a global batch is dropped."""
-        return num_samples // self.global_batch
+        return num_samples // self.global_batch * self.repeat
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
@@ -175,7 +177,7 @@ class BlockDistributedSampler(Sampler[list[int]]):
         """Start, in the epoch's order, of this rank's k-th micro-batch."""
         s, j = divmod(k, self.plan.accum)
         i = j * self.plan.world_size + self.rank
-        return s * self.plan.global_batch + i * self.plan.micro_batch
+        return s // self.plan.repeat * self.plan.global_batch + i * self.plan.micro_batch
 
     def iter_from(self, skip: int) -> Iterator[list[int]]:
         """This rank's micro-batches from the `skip`-th on; skipping costs nothing."""
@@ -189,7 +191,7 @@ class BlockDistributedSampler(Sampler[list[int]]):
     def step_indices(self, step_in_epoch: int) -> list[int]:
         """The global sample indices that optimizer step `step_in_epoch` consumes, on all ranks."""
         g = self.plan.global_batch
-        return self.order().take(step_in_epoch * g, g)
+        return self.order().take(step_in_epoch // self.plan.repeat * g, g)
 
 
 class SkipBatchSampler(Sampler[list[int]]):

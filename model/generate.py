@@ -83,3 +83,28 @@ def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | Non
         out.append(nxt)
         step = torch.tensor([[nxt]], dtype=torch.long, device=device)
     return out
+
+
+@torch.inference_mode()
+def generate_group(model: MiniMindLM, prompt: list[int], generators: list[torch.Generator], max_new_tokens: int,
+                   temperature: float = 0.8, top_p: float = 1.0, use_cache: bool = True) -> torch.Tensor:
+    """One prompt's group of completions (one per generator), generated together as one fixed-shape
+    unit: a batch of len(generators) copies of the prompt, `max_new_tokens` positions each (no early
+    stop: what follows an EOS is generated and left to the caller's mask), each row's next id drawn
+    from its own generator. The same prompt, weights and generators give the same ids on any rank
+    and in any company: nothing depends on other prompts or on who computes. (n, max_new_tokens) ids."""
+    n, device = len(generators), model.tok_embeddings.weight.device
+    if len(prompt) + max_new_tokens > model.cfg.seq_len:
+        raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens exceed model.seq_len={model.cfg.seq_len}")
+    cache = KVCache(model, n, len(prompt) + max_new_tokens) if use_cache else None
+    seq = torch.tensor([prompt] * n, dtype=torch.long, device=device)
+    step = seq
+    out = torch.empty(n, max_new_tokens, dtype=torch.long)
+    for t in range(max_new_tokens):
+        logits, _ = model(step, cache=cache) if use_cache else model(seq)
+        last = logits[:, -1].float()
+        nxt = [sample(last[r], [], temperature, 0, top_p, 1.0, generators[r]) for r in range(n)]
+        out[:, t] = torch.tensor(nxt)
+        step = out[:, t:t + 1].to(device)
+        seq = torch.cat([seq, step], dim=1)
+    return out

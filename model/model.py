@@ -135,10 +135,10 @@ class MoE(nn.Module):
             self.load = picked.float().sum((0, 1)) / picked.shape[0] / self.top_k  # each expert's share of the token slots
         return out.view(b, t, d)
 
-    @torch.compiler.disable  # its shapes are the router's choice: eager under train.compile (docs/performance.md)
     def _dispatch(self, flat: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens routed to it (every expert runs, on no token if none chose it),
-        its output scaled by their weights and added at their rows."""
+        its output scaled by their weights and added at their rows. Its shapes are the router's
+        choice: under train.compile it runs eagerly (runtime/speed.py wraps it in torch.compiler.disable)."""
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             slot, token = torch.where(picked[:, :, e].T.bool())  # in (slot, token) order, transformers' order

@@ -1,7 +1,34 @@
 """What training optimizes: each objective is one module behind one interface the loop calls (a
-micro-batch in, its loss out; a step's metrics), and the optimizer with its learning-rate schedule
-(optim.py). Next-token prediction (pretraining and SFT) is next_token.py."""
+micro-batch in, its loss out; a step's metrics; `start`, after the resume, for what it needs beside
+the model; `prepare`, before a step's forwards; `states`, what it adds to a checkpoint), and the
+optimizer with its learning-rate schedule (optim.py). Next-token prediction (pretraining and SFT) is
+next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py."""
+from data import BatchPlan
+
+from .dpo import DPO, DPOConfig
+from .grpo import GRPO, GRPOConfig
 from .next_token import NextToken, evaluate
 from .optim import lr_at, make_optimizer
 
-__all__ = ["NextToken", "evaluate", "lr_at", "make_optimizer"]
+
+def make_plan(cfg, world_size: int) -> BatchPlan:
+    """The run's batch geometry in dataset samples: for GRPO, train.global_batch and train.micro_batch
+    count completions (generations per prompt), and each global batch of prompts serves
+    updates_per_rollout optimizer steps."""
+    if cfg.train.objective == "grpo":
+        g = cfg.train.grpo.generations
+        return BatchPlan(cfg.train.global_batch // g, cfg.train.micro_batch // g, world_size, cfg.train.grpo.updates_per_rollout)
+    return BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, world_size)
+
+
+def make_objective(cfg, dataset, micro_batches: int, model, tok, rt):
+    """train.objective's objective for the run's (training) dataset."""
+    if cfg.train.objective == "dpo":
+        return DPO(dataset, micro_batches, cfg.train.micro_batch, cfg.train.dpo, model)
+    if cfg.train.objective == "grpo":
+        return GRPO(dataset, micro_batches, cfg.train.global_batch, cfg.train.grpo, cfg.seed, tok, rt, model)
+    return NextToken(dataset, micro_batches, cfg.data.format == "chat", model)
+
+
+__all__ = ["DPO", "DPOConfig", "GRPO", "GRPOConfig", "NextToken", "evaluate", "lr_at", "make_objective", "make_optimizer",
+           "make_plan"]

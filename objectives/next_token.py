@@ -25,7 +25,16 @@ class NextToken:
         self.taught: int | None = None
         self.stats: list[tuple[int, torch.Tensor]] = []
 
-    def begin_step(self, indices: list[int]) -> None:
+    def start(self, *args) -> None:
+        """Nothing beside the model (objectives/dpo.py's reads its reference here)."""
+
+    def prepare(self, *args) -> None:
+        """Nothing before a step's forwards (objectives/grpo.py's rollout is there)."""
+
+    def states(self) -> dict:
+        return {}
+
+    def begin_step(self, indices: list[int], step: int = 0) -> None:
         """The step's global sample indices (every rank's micro-batches)."""
         self.taught = self.dataset.taught(indices) if self.chat else None
         self.stats = []

@@ -16,10 +16,34 @@ def lr_at(step: int, t) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, the same arithmetic, without the import of torch._dynamo that its methods make
+    at their first call only to tell Dynamo not to trace them (about 1 s of CPU per process, at
+    every launch, for an eager run). Nothing traces the optimizer here (train.compile compiles the
+    blocks and the loss): the step runs under no_grad, as `_use_grad_for_differentiable` sets it for
+    a non-differentiable optimizer, without its graph break; the methods wrapped in
+    `torch._disable_dynamo` get the mark that wrapper caches after its first call, the function itself."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+            raw = getattr(getattr(torch.optim.Optimizer, name), "__wrapped__", None)
+            if raw is not None and getattr(raw, "__dynamo_disable", None) is None:
+                setattr(raw, "__dynamo_disable", raw)  # setattr: a name in a class body would be mangled
+        super().__init__(*args, **kwargs)
+
+    _raw_step = getattr(torch.optim.AdamW.step, "__wrapped__", None)
+
+    def step(self, closure=None):
+        if self._raw_step is None or self.defaults.get("differentiable"):
+            return super().step(closure)
+        with torch.no_grad():
+            return self._raw_step(closure)
+
+
 def make_optimizer(model: torch.nn.Module, t) -> torch.optim.AdamW:
     """AdamW over the parameters that train; weight decay on matrices only (not on norms)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))

@@ -101,7 +101,7 @@ class Metrics:
             log.info("nothing to do: the run is at step %d of %d", step, self.steps)
             return
         tail = self.losses[-min(10, len(self.losses)):]
-        against = f"the corpus's unigram entropy: {yardstick:.4f}" if not math.isnan(yardstick) else "over the taught tokens"
+        against = f"the corpus's unigram entropy: {yardstick:.4f}" if not math.isnan(yardstick) else "chat or preference rows: no unigram yardstick"
         val = f"; validation loss {self.val_loss[1]:.4f} at step {self.val_loss[0]}" if self.val_loss else ""
         log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (%s)%s", end, step, self.losses[-1], len(tail),
                  sum(tail) / len(tail), against, val)

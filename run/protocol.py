@@ -21,7 +21,6 @@ import logging
 import os
 import socket
 import traceback
-from collections.abc import Callable
 
 from common.outcome import BadInput, Failed, RankFailed, Stopped, known, outcome_of
 
@@ -119,11 +118,3 @@ class Protocol:
         return outcome_of(e, me), f"error: {describe(e)}"
 
 
-def attempt(fn: Callable, *args, **kwargs) -> BaseException | None:
-    """Run rank-local work whose failure is brought to the next agreement point instead of raised:
-    the exception, or None."""
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - voted on at the next agreement point, then raised on every rank
-        return e
-    return None

@@ -106,9 +106,10 @@ class Heartbeat:
             except Exception as e:  # noqa: BLE001 - the waiters see a counter that stands still
                 log.warning("cannot write the heartbeat %s (%s)", self.key, e)
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, unit: str = "MB") -> None:
+        """How far the work is: `done` of `total` bytes (unit MB: said in MB), or of another unit (said as counted)."""
         with self.lock:
-            self.record.update(done=done, total=total)
+            self.record.update(done=done, total=total, unit=unit)
 
     def finish(self, outcome: dict) -> None:
         """Publish the outcome ({...} or {"error": ...}); the heartbeat stops."""
@@ -137,8 +138,9 @@ def wait_for(board: Board, key: str, stall_s: float, what: str, me: int, talk: b
                 last_beat, last_change = record.get("beat"), now
             if talk and now - last_said >= say_every_s and record.get("total"):
                 last_said = now
-                log.warning("waiting for %s (%s, pid %s): %.0f of %.0f MB", what, record.get("host"), record.get("pid"),
-                            record["done"] / 1e6, record["total"] / 1e6)
+                scale = 1e6 if record.get("unit", "MB") == "MB" else 1
+                log.warning("waiting for %s (%s, pid %s): %.0f of %.0f %s", what, record.get("host"), record.get("pid"),
+                            record["done"] / scale, record["total"] / scale, record.get("unit", "MB"))
         if (failed := board.failure_of_another(me)) is not None:
             raise failed
         if now - last_change > stall_s:
@@ -146,3 +148,25 @@ def wait_for(board: Board, key: str, stall_s: float, what: str, me: int, talk: b
             raise Stalled(f"{what} ({who}) made no progress for {stall_s:g} s (dist.timeout_s); if it is alive, its disk "
                           f"or its file system is stuck")
         time.sleep(poll_s)
+
+
+def hand_off(rt, key: str, worker: int, work, stall_s: float, what: str) -> dict[int, dict]:
+    """Long work done once per group of ranks and handed to the others on the board: rank `worker`
+    (this rank's group's, e.g. its node's first) runs `work(progress)` -> an outcome dict under a
+    Heartbeat; every rank then waits for every worker's outcome, however long it takes, as long as
+    its heartbeat moves (`stall_s`: dist.timeout_s), its own group's first. A stop signal on a worker
+    ends its waiters too. `rt`: the runtime (rank, world_size, all_gather, board). Returns
+    {worker rank: outcome}; one process runs `work(None)`."""
+    if rt.world_size == 1:
+        return {0: work(None)}
+    workers = sorted(set(rt.all_gather(worker)))  # before anyone works: a collective that waits for nobody
+    if rt.rank == worker:
+        with Heartbeat(rt.board, f"{key}/{worker}") as beat:
+            try:
+                outcome = work(beat.progress)
+            except BaseException:
+                beat.finish({"error": f"{what} (rank {rt.rank}) was stopped", "outcome": "failed"})
+                raise
+            beat.finish(outcome)
+    return {r: wait_for(rt.board, f"{key}/{r}", stall_s, f"{what} (rank {r})", rt.rank, talk=rt.rank == worker + 1)
+            for r in sorted(workers, key=lambda r: r != worker)}

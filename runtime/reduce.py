@@ -102,9 +102,14 @@ class CanonicalReduce:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
 
-def make_reducer(strategy: str, reduce: str, model: torch.nn.Module, rt: Runtime, accum: int):
+def make_reducer(strategy: str, reduce: str, model: torch.nn.Module, rt: Runtime, accum: int, fingerprint=None, step: int = 0):
     """The gradient reduction of dist.strategy and dist.reduce around `model` (made after the load,
-    so that every rank starts from the weights it loaded)."""
+    so that every rank starts from the weights it loaded). Under canonical ddp every rank must hold
+    the same bits: `fingerprint(model)` (a hash of its weights) is compared across ranks first."""
+    if strategy == "ddp" and reduce == "canonical" and fingerprint is not None:
+        hashes = rt.all_gather(fingerprint(model))
+        if len(set(hashes)) > 1:
+            raise RuntimeError(f"dist.reduce=canonical: ranks hold different weights at step {step}: {hashes}")
     if strategy == "fsdp":
         from .sharding import FSDPCanonicalReduce, FSDPReduce
 

@@ -56,6 +56,8 @@ def apply(model: torch.nn.Module, compile: bool, checkpointing: str, determinist
     # runtime.deterministic asked for errors: an eager op without a deterministic kernel warns.
     torch.use_deterministic_algorithms(True, warn_only=not deterministic)
     for block in model.layers:
+        if hasattr(block.feed_forward, "_dispatch"):  # an MoE: the experts' token dispatch stays eager (data-dependent shapes)
+            block.feed_forward._dispatch = torch.compiler.disable(block.feed_forward._dispatch)
         # Static shapes: a graph (and its kernels) for each shape, never one kernel for every shape.
         block.forward = torch.compile(block.forward, backend=BACKEND, dynamic=False)
     model.loss_fn = torch.compile(model.loss_fn, backend=BACKEND, dynamic=False)

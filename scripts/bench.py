@@ -1,9 +1,14 @@
-"""Where we stand: checkpoint stalls, throughput with saves, resume cost, reduction modes, loop overhead.
+"""Where we stand: checkpoint I/O against the hardware's floor, throughput with saves, the loop
+against a minimal one and against MiniMind's own trainer, compile and activation checkpointing,
+MoE, LoRA, DPO, GRPO, resume cost, data preparation, sharding.
 
-    python scripts/bench.py [--quick] [--json PATH]
+    python scripts/bench.py [--quick] [--only SECTION ...] [--json PATH]
 
-One run, one table; each row is a ratio against a baseline measured beside it in the same run.
-Timings live here and in docs/bench.json (written whole by this script), never in a test.
+One run, one table; each row is a ratio against a baseline measured beside it in the same run (the
+hardware's floor, a minimal loop of our own, or a peer run unmodified). Timings live here and in
+docs/bench.json (written whole by this script), never in a test. The peer rows need MiniMind's
+trainer's requirements (transformers, datasets: requirements-bench.txt), installed here when
+missing, never by scripts/train.sh.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -26,19 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import train  # noqa: E402
-from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, runfolder  # noqa: E402
+from checkpoint import CheckpointConfig, CheckpointManager, ModelState, OptimizerState, RunMeta, storage  # noqa: E402
 from checkpoint.files import fsync_path  # noqa: E402
 from configs import load_config, to_dict  # noqa: E402
 from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
 from model import MiniMindLM, ModelConfig  # noqa: E402
+from objectives import make_optimizer  # noqa: E402
+from run import folder as runfolder  # noqa: E402
+from run.state import TrainState  # noqa: E402
 from runtime import Runtime  # noqa: E402
 
 MINIMIND_TOKENIZER = ROOT.parent / "shared" / "minimind" / "tokenizer.json"
+UPSTREAM = ROOT.parent / "shared" / "minimind" / "upstream"
 AIMS = {
     "packing / batch encoder alone, MiniMind's tokenizer": (">=", 0.8),
     "peak RSS packing 400 MB / 200 MB": ("<=", 1.1),
@@ -49,7 +57,6 @@ AIMS = {
     "async stall / copy into preallocated buffers": ("<=", 1.5),
     "throughput, async save every 10 / none": (">=", 0.97),
     "resume at 90% / at 0% of an epoch": ("<=", 1.1),
-    "bytes read at a 2-process resume / resume file size": ("<=", 1.1),
     "our loop / minimal loop (speed)": (">=", 0.95),
     "canonical / ddp step time, 2 processes": ("<=", 1.3),
     "launch on a packed 2 GB corpus / on a tiny one": ("<=", 1.5),
@@ -60,7 +67,103 @@ AIMS = {
     "taught tokens per token computed, packed / padded": (">=", 1.5),
     "fsdp / ddp memory, 2 processes": ("<=", 0.55),
     "fsdp / ddp memory, 4 processes": ("<=", 0.3),
+    "ours / MiniMind's trainer, time per step": ("<=", 0.5),
+    "ours / MiniMind's trainer, loss-carrying tokens per second": (">=", 3.0),
+    "ours compiled / MiniMind's --use_compile 1, time per step": ("<=", 0.5),
+    "compiled / eager tokens per second": (">=", 1.1),
+    "activation checkpointing / none, peak RSS": ("<=", 0.7),
+    "DPO, precomputed / live reference, step time": ("<=", 0.6),
 }
+SMALL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.hidden_dim=1664", "model.qk_norm=true",
+         "model.norm_eps=1e-6", "model.seq_len=256"]
+"""MiniMind's trainer's shape at --hidden_size 512 --num_hidden_layers 8 (its config's defaults: 8 heads,
+4 KV heads, FFN ceil(512 pi / 64) * 64 = 1664, q/k norms, eps 1e-6): the peer rows' and the 26M rows' model."""
+
+
+def log_quiet() -> None:
+    logging.getLogger("minimind").setLevel(logging.WARNING)
+
+
+def launch(args: list[str], log: Path, nproc: int = 0, timeout: int = 3600, env: dict | None = None) -> tuple[float, str]:
+    """train.py in a child (python, or torchrun with nproc): (seconds from start to exit, its log);
+    a failure stops the bench with the log's tail."""
+    cmd = [sys.executable, "train.py", *args] if not nproc else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    seconds = time.perf_counter() - t0
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stderr}\n")
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: a training run failed (exit {proc.returncode}), see {log}:\n{proc.stderr[-3000:]}")
+    return seconds, proc.stderr
+
+
+def step_median(out: Path, skip: int = 2) -> float:
+    rows = runfolder.read_metrics(out)[skip:]
+    return statistics.median(r["step_s"] for r in rows)
+
+
+_RSS_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["train.py", *sys.argv[2:]]
+import train
+code = train.main(sys.argv[1:])
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(f"VmHWM {hwm * 1024}", flush=True)
+sys.exit(code)
+"""
+
+
+def run_rss(args: list[str], work: Path) -> tuple[int, str]:
+    """train.main in a fresh child; (its peak RSS in bytes, VmHWM, its log)."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(ROOT), *args], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: a training run failed:\n{proc.stderr[-3000:]}")
+    return int(re.search(r"VmHWM (\d+)", proc.stdout).group(1)), proc.stderr
+
+
+def run_train(args: list[str], log: Path, config: str = "configs/tiny.yaml") -> list[dict]:
+    """train.main in this process (1 process); returns its metrics lines."""
+    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("out_dir=")))
+    shutil.rmtree(out, ignore_errors=True)
+    with open(log, "a") as f, contextlib.redirect_stderr(f), contextlib.redirect_stdout(f):
+        code = train.main(["--config", str(ROOT / config), "log.progress=false", *args])
+    logging.basicConfig(force=True, level=logging.WARNING)
+    if code != 0:
+        raise SystemExit(f"bench: a training run failed, see {log}")
+    return runfolder.read_metrics(out)
+
+
+def trained_states(mcfg: ModelConfig, tokens: int = 16) -> tuple[MiniMindLM, torch.optim.Optimizer]:
+    """A model and an AdamW with its state populated by one step on a small batch."""
+    torch.manual_seed(0)
+    model = MiniMindLM(mcfg)
+    opt = make_optimizer(model, load_config(None).train)
+    x = torch.randint(0, 256, (1, min(tokens, mcfg.seq_len)))
+    model(x, x)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def bench_meta(cfg) -> RunMeta:
+    return RunMeta(world_size=1, global_batch=1, micro_batch=1, accum=1, threads=torch.get_num_threads(), reduce="ddp",
+                   config=to_dict(cfg), run_id="bench")
+
+
+def timed_save(mgr: CheckpointManager, states: dict, step) -> tuple[int, float]:
+    """One save at the next step number: (step, seconds until save() returned)."""
+    s = next(step)
+    states["train"].step = s
+    t0 = time.perf_counter()
+    mgr.save(s, states)
+    return s, time.perf_counter() - t0
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def median_time(fn, repeat: int) -> float:
@@ -70,18 +173,6 @@ def median_time(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def trained_states(mcfg: ModelConfig, tokens: int = 16) -> tuple[MiniMindLM, torch.optim.Optimizer]:
-    """A model and an AdamW with its state populated by one step on a small batch."""
-    torch.manual_seed(0)
-    model = MiniMindLM(mcfg)
-    opt = train.make_optimizer(model, load_config(None).train)
-    x = torch.randint(0, 256, (1, min(tokens, mcfg.seq_len)))
-    model(x, x)[1].backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
 
 
 _BLOCK = 4 << 20  # the raw writes' block: large, and a multiple of every O_DIRECT alignment
@@ -195,171 +286,6 @@ def preallocated_copy(states: dict, buffers: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def stall_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path) -> tuple[list[dict], dict]:
-    """Stall of one save at a step boundary, five ways, on the same state."""
-    model, opt = trained_states(mcfg)
-    rt = Runtime()
-    tok = [f"data.tokenizer={vocab_6400(work)}"] if mcfg.vocab_size == 6400 else []  # the vocabulary follows the tokenizer
-    cfg = load_config(None, [*(f"model.{k}={v}" for k, v in to_dict(mcfg).items() if k not in ("vocab_size", "init_from")), *tok])
-    meta = RunMeta(1, 1, 1, 1, torch.get_num_threads(), "ddp", to_dict(cfg), {}, "bench")
-    states = {"model": model, "optimizer": opt, "train": train.TrainState(step=1)}
-    results: dict[str, float] = {}
-    step = iter(range(1, 10_000))
-    quiet = logging.getLogger("minimind")
-    quiet.setLevel(logging.WARNING)
-
-    def ours(async_: bool) -> float:
-        out = work / f"ours-{label}-{async_}"
-        mgr = CheckpointManager(CheckpointConfig(interval=1, keep=2, async_=async_), out, rt, meta)
-        stalls, totals = [], []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            stalls.append(timed_save(mgr, states, step)[1])
-            mgr.wait()  # the background part, outside the stall
-            totals.append(time.perf_counter() - t0)
-        mgr.drain()
-        results[f"ours {'async' if async_ else 'sync'} total"] = statistics.median(totals)
-        shutil.rmtree(out)
-        return statistics.median(stalls)
-
-    results["sync"] = ours(False)
-    results["async"] = ours(True)
-    io_rows = io_floor_rows(label, mgr_factory=lambda out, async_: CheckpointManager(
-        CheckpointConfig(interval=1, keep=2, async_=async_), out, rt, meta), states=states, repeat=repeat, work=work,
-        step=step, model_cfg=mcfg)
-    payload = {"model": model.state_dict(), "optimizer": opt.state_dict(), "train": states["train"].state_dict()}
-    path = work / "bare.pth"
-    results["torch.save"] = median_time(lambda: torch.save(payload, path), repeat)
-    resume_bytes = path.stat().st_size
-    path.unlink()
-    dcp_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    n = iter(range(10_000))
-    results["dcp.save"] = median_time(lambda: dcp.save(dcp_state, checkpoint_id=str(work / f"dcp-{label}-{next(n)}")), repeat)
-    futures = []
-    results["dcp.async_save"] = median_time(
-        lambda: futures.append(dcp.async_save(dcp_state, checkpoint_id=str(work / f"dcpa-{label}-{next(n)}"))), repeat)
-    for f in futures:
-        f.result()
-    params = model.num_parameters()
-    rows = [
-        {"row": f"stall per save, {label} ({params / 1e6:.1f}M params)", "what": "ours async / ours sync",
-         "value": results["async"] / results["sync"], "detail": f"{results['async'] * 1e3:.1f} ms / {results['sync'] * 1e3:.1f} ms",
-         "aim": "async stall / sync stall"},
-        {"row": f"stall per save, {label}", "what": "ours sync / bare torch.save",
-         "value": results["sync"] / results["torch.save"], "detail": f"{results['sync'] * 1e3:.1f} ms / {results['torch.save'] * 1e3:.1f} ms (ours also hashes, fsyncs, writes fp16 weights + manifest)"},
-        {"row": f"stall per save, {label}", "what": "DCP save / ours sync",
-         "value": results["dcp.save"] / results["sync"], "detail": f"{results['dcp.save'] * 1e3:.1f} ms / {results['sync'] * 1e3:.1f} ms"},
-        {"row": f"stall per save, {label}", "what": "DCP async_save / ours async",
-         "value": results["dcp.async_save"] / results["async"], "detail": f"{results['dcp.async_save'] * 1e3:.1f} ms / {results['async'] * 1e3:.1f} ms"},
-    ]
-    return rows + io_rows, {"resume_bytes": resume_bytes, "sync_seconds": results["sync"], "sync_total": results["ours sync total"]}
-
-
-def timed_save(mgr: CheckpointManager, states: dict, step) -> tuple[int, float]:
-    """One save at the next step number: (step, seconds until save() returned)."""
-    s = next(step)
-    states["train"].step = s
-    t0 = time.perf_counter()
-    mgr.save(s, states)
-    return s, time.perf_counter() - t0
-
-
-def io_floor_rows(label: str, mgr_factory, states: dict, repeat: int, work: Path, step, model_cfg: ModelConfig) -> list[dict]:
-    """Our checkpoint I/O against the hardware's floor, side by side and interleaved round by round:
-    a sync save against a raw write of the same bytes, a verified load against a raw read + sha256
-    of the same files (page cache dropped before each), the async stall against a memory copy."""
-    out = work / f"floor-{label}"
-    mgr = mgr_factory(out, False)
-    save_t, buffered_t, direct_t, hash_t, load_t, read_t, stall_t, copy_t = [], [], [], [], [], [], [], []
-    cache, buffers = "", []
-    for r in range(repeat):
-        s, seconds = timed_save(mgr, states, step)
-        save_t.append(seconds)
-        folder = out / runfolder.CHECKPOINTS / f"step_{s:08d}"
-        files = sorted(p for p in folder.iterdir())
-        contents = {p.name: p.read_bytes() for p in files}
-        buffered_t.append(raw_write_overlapped(work / f"raw-{label}-{r}", contents))
-        direct = raw_write_direct(work / f"direct-{label}-{r}", contents)
-        if direct is not None:
-            direct_t.append(direct)
-        t0 = time.perf_counter()
-        for data in contents.values():  # one core, as our save hashes in one helper thread
-            hashlib.sha256(data).hexdigest()
-        hash_t.append(time.perf_counter() - t0)
-        # load: a fresh model and optimizer, as a resuming process has
-        model = MiniMindLM(model_cfg)
-        fresh = {"model": model, "optimizer": train.make_optimizer(model, load_config(None).train), "train": train.TrainState()}
-        loader = mgr_factory(out, False)
-        loader.cfg.resume = str(folder)
-        cache = drop_page_cache(files)
-        t0 = time.perf_counter()
-        loader.load(fresh)
-        load_t.append(time.perf_counter() - t0)
-        assert fresh["train"].step == s
-        drop_page_cache(files)
-        read_t.append(raw_read_and_hash(files))
-        copy_t.append(preallocated_copy(states, buffers))
-    nbytes = sum(p.stat().st_size for p in files)
-    amgr = mgr_factory(work / f"floor-async-{label}", True)
-    for _ in range(repeat):
-        stall_t.append(timed_save(amgr, states, step)[1])
-        amgr.wait()
-    amgr.drain()
-    med = statistics.median
-    aimed = label != "tiny"  # the aims are the 26M config's; a 14 MiB checkpoint is mostly fixed costs
-    best_raw = min(med(buffered_t), med(direct_t)) if direct_t else med(buffered_t)
-    floor = max(best_raw, med(hash_t))  # a verified save writes every byte and hashes every byte
-    direct_ms = f"{med(direct_t) * 1e3:.0f} ms" if direct_t else "refused by this filesystem"
-    rows = [
-        {"row": f"checkpoint write, {label} ({nbytes / 2**20:.0f} MiB: resume + fp16 weights + manifest)",
-         "what": "sync save / max(best raw write, sha256 of the bytes)", "value": med(save_t) / floor,
-         "aim": "sync save / max(best raw write, sha256 of the bytes)",
-         "detail": f"{med(save_t) * 1e3:.0f} ms ours / {floor * 1e3:.0f} ms floor; raw writes of the same bytes + fsyncs: buffered "
-                   f"with writeback started per 4 MiB block {med(buffered_t) * 1e3:.0f} ms, O_DIRECT 4 MiB blocks {direct_ms}; "
-                   f"sha256 of the bytes on one core {med(hash_t) * 1e3:.0f} ms (medians of {len(save_t)} interleaved rounds)"},
-        {"row": f"checkpoint load, verified, {label}", "what": "verified load / raw read + sha256", "value": med(load_t) / med(read_t),
-         "aim": "verified load / raw read + sha256",
-         "detail": f"{med(load_t) * 1e3:.0f} ms into model + optimizer / {med(read_t) * 1e3:.0f} ms to read and hash the same files (page cache dropped with {cache} before each)"},
-        {"row": f"async stall, {label}", "what": "async stall / copy into preallocated buffers", "value": med(stall_t) / med(copy_t),
-         "aim": "async stall / copy into preallocated buffers",
-         "detail": f"{med(stall_t) * 1e3:.0f} ms / {med(copy_t) * 1e3:.0f} ms to copy every tensor of the same state into buffers allocated beforehand"},
-    ]
-    for row in rows:
-        row["aim"] = row["aim"] if aimed else None
-    return rows
-
-
-def stop_rows(work: Path) -> list[dict]:
-    """Signal to published checkpoint, 26M config (MiniMind2-small's shape with a 6,400-token
-    vocabulary), a real `python train.py` run stopped with SIGTERM, sync and async saves."""
-    import re
-    import signal
-
-    found = {}
-    for mode in ("false", "true"):
-        out, log = work / f"stop-{mode}", work / f"stop-{mode}.log"
-        args = [sys.executable, "train.py", "--config", "configs/minimind2_small.yaml", f"data.tokenizer={vocab_6400(work)}",
-                "model.seq_len=64", "train.global_batch=2", "train.micro_batch=1", "train.dtype=float32",
-                "runtime.deterministic=false", "checkpoint.interval=0", f"checkpoint.async={mode}", "log.progress=false",
-                f"out_dir={out}"]
-        with open(log, "w") as f:
-            proc = subprocess.Popen(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        metrics = out / runfolder.METRICS
-        end = time.monotonic() + 600
-        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None and time.monotonic() < end:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=600)
-        text = log.read_text()
-        m = re.search(r"checkpoint published ([\d.]+)s after the signal", text)
-        step = re.search(r"stopped on SIGTERM at step (\d+)", text)
-        found[mode] = (float(m.group(1)) if m else float("nan"), proc.returncode, step.group(1) if step else "?")
-    (sync_s, sync_code, sync_step), (async_s, async_code, async_step) = found["false"], found["true"]
-    return [{"row": "stop signal to published checkpoint, 26M, 1 process", "what": "async / sync", "value": async_s / sync_s,
-             "detail": f"{async_s:.2f} s async (exit {async_code}, step {async_step}) / {sync_s:.2f} s sync (exit {sync_code}, "
-                       f"step {sync_step}): the rest of the step, then the save"}]
-
-
 def vocab_6400(work: Path) -> Path:
     """MiniMind's tokenizer (6,400 ids), or, where it is absent, one of 6,400 ids trained here."""
     if MINIMIND_TOKENIZER.is_file():
@@ -411,11 +337,11 @@ if mode == "pack":
     _, meta = pack(prepare.resolve_source(str(source), cache), 512, cache, tok)
     n = meta["num_tokens"]
 elif mode == "encoder":  # the ceiling: the batch encoder alone, on the same batches held in memory
-    batches = [texts for texts, _ in prepare.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20)]
+    batches = [texts for texts, _ in sources.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20)]
     t0 = time.perf_counter()
     n = sum(len(e) for texts in batches for e in tok.tok.encode_batch_fast(texts, add_special_tokens=False))
 else:  # json: parsing every line, the floor of any packer
-    n = sum(len(texts) for texts, _ in prepare.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20))
+    n = sum(len(texts) for texts, _ in sources.batches(sources.Reader(prepare.resolve_source(str(source), cache)), 4 << 20))
 seconds = time.perf_counter() - t0
 # VmHWM: this process image's peak RSS (ru_maxrss would carry the forking parent's peak over)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
@@ -476,108 +402,6 @@ def packing_rows(work: Path, megabytes: int) -> list[dict]:
     ]
 
 
-def generation_rows(new_tokens: int = 256) -> list[dict]:
-    """Tokens per second generating `new_tokens` greedily after a 4-token prompt, with the KV cache
-    against recomputing the whole sequence per token (inference.generate_ids), tiny and 26M shapes
-    (random weights, seq_len 512 so that every position is covered; EOS ignored)."""
-    from inference import generate_ids
-
-    rows = []
-    tiny = load_config(ROOT / "configs" / "tiny.yaml").model
-    shapes = {"tiny": ModelConfig(dim=tiny.dim, n_layers=tiny.n_layers, n_heads=tiny.n_heads, n_kv_heads=tiny.n_kv_heads, seq_len=512),
-              "26M": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, vocab_size=6400, seq_len=512)}
-    for label, mcfg in shapes.items():
-        torch.manual_seed(0)
-        model = MiniMindLM(mcfg).eval()
-        prompt = [1, 2, 3, 4]
-        seconds, tokens = {}, {}
-        for cached in (True, False):
-            t0 = time.perf_counter()
-            tokens[cached] = generate_ids(model, prompt, new_tokens, temperature=0.0, eos=None, use_cache=cached)
-            seconds[cached] = time.perf_counter() - t0
-        same = tokens[True] == tokens[False]
-        rows.append({"row": f"generation, {label}, {new_tokens} new tokens, 1 process", "what": "KV cache / recompute (tokens/s)",
-                     "value": seconds[False] / seconds[True],
-                     "detail": f"{new_tokens / seconds[True]:.0f} tok/s cached / {new_tokens / seconds[False]:.0f} tok/s recomputed; "
-                               f"greedy tokens {'identical' if same else 'DIFFER'}",
-                     "aim": "generation, KV cache / recompute"})
-    return rows
-
-
-def run_train(args: list[str], log: Path) -> list[dict]:
-    """train.main in this process (1 process); returns its metrics lines."""
-    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("out_dir=")))
-    shutil.rmtree(out, ignore_errors=True)
-    with open(log, "a") as f, contextlib.redirect_stderr(f), contextlib.redirect_stdout(f):
-        code = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "log.progress=false", *args])
-    logging.basicConfig(force=True, level=logging.WARNING)
-    if code != 0:
-        raise SystemExit(f"bench: a training run failed, see {log}")
-    return runfolder.read_metrics(out)
-
-
-def throughput(rows: list[dict], skip: int, tokens_per_step: int) -> float:
-    """Tokens per second over wall-clock, saves included, after `skip` warm-up steps."""
-    a, b = rows[skip - 1], rows[-1]
-    return (b["step"] - a["step"]) * tokens_per_step / (b["elapsed_s"] - a["elapsed_s"])
-
-
-def throughput_rows(steps: int, rounds: int, work: Path) -> list[dict]:
-    """Tokens/s with a save every 10 steps (sync, async) against no save. The three runs of a round
-    go one after another, in an order that rotates from round to round; each ratio is taken within a
-    round, and the row gives the median over rounds with the spread, so that a cost shows as a
-    ratio below 1 in every round and noise as a spread around 1."""
-    base = [f"train.steps={steps}", "checkpoint.keep=2"]
-    cfg = load_config(ROOT / "configs" / "tiny.yaml")
-    per_step = cfg.train.global_batch * cfg.model.seq_len
-    modes = [("none", ["checkpoint.interval=0"]), ("sync", ["checkpoint.interval=10"]),
-             ("async", ["checkpoint.interval=10", "checkpoint.async=true"])]
-    ratios: dict[str, list[float]] = {"sync": [], "async": []}
-    tps: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
-    for r in range(rounds):
-        tp = {}
-        for name, extra in modes[r % 3:] + modes[: r % 3]:
-            rows = run_train([*base, *extra, f"out_dir={work / ('tp-' + name)}"], work / "train.log")
-            tp[name] = throughput(rows, 5, per_step)
-            tps[name].append(tp[name])
-        for name in ratios:
-            ratios[name].append(tp[name] / tp["none"])
-
-    def spread(name: str) -> str:
-        return (f"median of {rounds} rounds, each round's ratio {', '.join(f'{x:.3f}' for x in ratios[name])}; "
-                f"{statistics.median(tps[name]):,.0f} / {statistics.median(tps['none']):,.0f} tok/s")
-
-    return [
-        {"row": "training throughput, tiny, save every 10 steps", "what": "async / none", "value": statistics.median(ratios["async"]),
-         "detail": spread("async"), "aim": "throughput, async save every 10 / none", "rounds": ratios["async"]},
-        {"row": "training throughput, tiny, save every 10 steps", "what": "sync / none", "value": statistics.median(ratios["sync"]),
-         "detail": spread("sync"), "rounds": ratios["sync"]},
-    ]
-
-
-def resume_read_rows(work: Path) -> list[dict]:
-    """What a resume reads: a 2-process launch resumes a tiny run; the bytes every rank read from
-    files during the load (read() calls, page cache or not: what a shared filesystem would serve),
-    from the load's own log line, against the resume file's size."""
-    out = work / "read-once"
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-            "--config", "configs/tiny.yaml", "log.progress=false", "train.steps=4", f"out_dir={out}"]
-    for halt in (2, 3):
-        proc = subprocess.run([*base, f"train.halt_at={halt}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise SystemExit(f"bench: the resume launch failed:\n{proc.stderr[-3000:]}")
-    import re
-
-    m = re.search(r"([\d.]+) MiB read from files by (\d+) rank\(s\) for a ([\d.]+) MiB resume file", proc.stderr)
-    if not m:
-        raise SystemExit(f"bench: no load line in the resume's log:\n{proc.stderr[-3000:]}")
-    read, ranks, size = float(m.group(1)), int(m.group(2)), float(m.group(3))
-    return [{"row": "resume, tiny, 2 processes on one node", "what": "bytes read at a 2-process resume / resume file size",
-             "value": read / size, "aim": "bytes read at a 2-process resume / resume file size",
-             "detail": f"{read:.1f} MiB read from files by {ranks} ranks during the load / a {size:.1f} MiB resume file "
-                       f"(rank 0 reads and verifies it once; the other rank deserializes the bytes rank 0 broadcasts)"}]
-
-
 class Synthetic(Dataset):
     """N samples computed from their index: a dataset of any size without a file."""
 
@@ -622,52 +446,6 @@ def resume_rows(n: int) -> list[dict]:
              "aim": "resume at 90% / at 0% of an epoch"}]
 
 
-def reduce_rows(steps: int, work: Path) -> list[dict]:
-    """canonical vs ddp on 2 processes under torchrun: median step time from metrics."""
-    med = {}
-    for mode in ("ddp", "canonical"):
-        out = work / f"reduce-{mode}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               "--config", "configs/tiny.yaml", f"train.steps={steps}", f"dist.reduce={mode}", "checkpoint.interval=0",
-               "log.progress=false", f"out_dir={out}"]
-        with open(work / "torchrun.log", "a") as f:
-            if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
-                raise SystemExit(f"bench: torchrun failed, see {work / 'torchrun.log'}")
-        rows = runfolder.read_metrics(out)[3:]
-        med[mode] = statistics.median(r["step_s"] for r in rows)
-    return [{"row": "step time, tiny, 2 processes", "what": "canonical / ddp", "value": med["canonical"] / med["ddp"],
-             "detail": f"{med['canonical'] * 1e3:.0f} ms / {med['ddp'] * 1e3:.0f} ms", "aim": "canonical / ddp step time, 2 processes"}]
-
-
-def loop_rows(steps: int, work: Path) -> list[dict]:
-    """Our loop against a minimal plain-PyTorch loop on the same model, batch and threads (1 process)."""
-    ours = run_train([f"train.steps={steps}", "checkpoint.interval=0", f"out_dir={work / 'loop-ours'}"], work / "train.log")
-    ours_step = statistics.median(r["step_s"] for r in ours[3:])
-    cfg = load_config(ROOT / "configs" / "tiny.yaml")
-    torch.set_num_threads(train.runtime.default_threads(cfg.runtime, "ddp", 1))
-    cache = Path(cfg.data.cache_dir)
-    bin_path, _ = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
-    ds = PackedDataset(bin_path, cfg.model.seq_len)
-    torch.manual_seed(cfg.seed)
-    model = MiniMindLM(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay)
-    accum = cfg.train.global_batch // cfg.train.micro_batch
-    loader = iter(DataLoader(ds, batch_size=cfg.train.micro_batch, shuffle=True, drop_last=True))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        for _ in range(accum):
-            x, y = next(loader)
-            (model(x, y)[1] / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    minimal = statistics.median(times[3:])
-    return [{"row": "step time, tiny, 1 process", "what": "our loop / minimal loop (speed)", "value": minimal / ours_step,
-             "detail": f"{ours_step * 1e3:.0f} ms ours, {minimal * 1e3:.0f} ms minimal", "aim": "our loop / minimal loop (speed)"}]
-
-
 def chat_corpus(path: Path, n: int, tok_path: Path, seed: int = 0) -> None:
     """`n` MiniMind-like conversations: a user turn and an assistant turn (a third of them with a
     system turn, a fifth with a second exchange), each turn Chinese (runs of the tokenizer's CJK
@@ -693,45 +471,6 @@ def chat_corpus(path: Path, n: int, tok_path: Path, seed: int = 0) -> None:
             for _ in range(2 if rng.random() < 0.2 else 1):
                 turns += [{"role": "user", "content": text(5, 60)}, {"role": "assistant", "content": text(20, 300)}]
             f.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
-
-
-def sft_rows(work: Path, conversations: int, steps: int) -> list[dict]:
-    """Packed against padded chat rows (data.pack) at seq_len 512 with MiniMind's tokenizer: the
-    share of computed positions that are real tokens and that teach, and the step time per taught
-    token training the tiny model's shape on each (1 process)."""
-    from data.chat import ChatOptions
-    from data.dataset import ChatDataset
-
-    tok_path = vocab_6400(work)
-    source = work / "sft.jsonl"
-    chat_corpus(source, conversations, tok_path)
-    from data import tokenizer as tokenizers
-
-    tok = tokenizers.load(str(tok_path))
-    got = {}
-    for packed in (True, False):
-        bin_path, meta = pack(source, 512, work / "sft-cache", tok, chat=ChatOptions(pack=packed))
-        computed = meta["num_samples"] * 512
-        rows = run_train([f"data.path={source}", "data.format=chat", f"data.pack={str(packed).lower()}", f"data.tokenizer={tok_path}",
-                          f"data.cache_dir={work / 'sft-cache'}", "model.seq_len=512", "train.global_batch=16", "train.micro_batch=4",
-                          f"train.steps={steps}", "checkpoint.interval=0", "log.sample_ids=true", f"out_dir={work / 'sft-run'}"],
-                         work / "train.log")
-        ds = ChatDataset(bin_path, 512, dtype=meta["dtype"])  # the rows the run trained on: the same cache
-        per_taught = statistics.median(r["step_s"] / ds.taught(r["sample_ids"]) for r in rows[2:])
-        got[packed] = {"real": meta["tokens"] / computed, "taught": meta["taught"] / computed, "rows": meta["num_samples"],
-                       "per_taught": per_taught}
-    p, q = got[True], got[False]
-    return [
-        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "packed: real tokens / tokens computed",
-         "value": p["real"], "aim": "packed: real tokens / tokens computed",
-         "detail": f"packed {p['real']:.3f} in {p['rows']} rows; padded {q['real']:.3f} in {q['rows']} rows"},
-        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "taught tokens per token computed, packed / padded",
-         "value": p["taught"] / q["taught"], "aim": "taught tokens per token computed, packed / padded",
-         "detail": f"packed {p['taught']:.3f}, padded {q['taught']:.3f} taught tokens per position computed"},
-        {"row": "chat step time per taught token, tiny shape at seq_len 512, 1 process", "what": "packed / padded",
-         "value": p["per_taught"] / q["per_taught"],
-         "detail": f"{p['per_taught'] * 1e6:.1f} us / {q['per_taught'] * 1e6:.1f} us per taught token (median of {steps - 2} steps)"},
-    ]
 
 
 _SHARD_CHILD = """
@@ -767,57 +506,6 @@ if dist.get_rank() == 0:
     print(json.dumps(per_rank))
 dist.destroy_process_group()
 """
-
-
-def sharding_rows(work: Path, steps: int) -> list[dict]:
-    """dist.strategy=fsdp against ddp: per-rank bytes of parameters, gradients and AdamW state of the
-    26M shape on 2 and 4 processes (the largest rank's, counted from the tensors each rank holds),
-    and on 2 processes the step time and the checkpoint save time of train.py (a 25M model on bytes)."""
-    rows = []
-    for n in (2, 4):
-        child = work / "shard_child.py"
-        child.write_text(_SHARD_CHILD)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(child),
-                               str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise SystemExit(f"bench: the sharding child failed:\n{proc.stderr[-3000:]}")
-        per_rank = json.loads(proc.stdout.strip().splitlines()[-1])
-        total = {k: max(sum(r[k].values()) for r in per_rank) for k in ("ddp", "fsdp")}
-        parts = {k: max(r["fsdp"][k] for r in per_rank) / 2**20 for k in ("params", "grads", "optimizer")}
-        rows.append({"row": f"per-rank bytes of parameters + gradients + AdamW state, 26M shape, {n} processes",
-                     "what": "fsdp / ddp", "value": total["fsdp"] / total["ddp"], "aim": f"fsdp / ddp memory, {n} processes",
-                     "detail": f"{total['fsdp'] / 2**20:.0f} MiB / {total['ddp'] / 2**20:.0f} MiB on the largest rank "
-                               f"(fsdp: {parts['params']:.0f} + {parts['grads']:.0f} + {parts['optimizer']:.0f} MiB)"})
-    timing = {}
-    big = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=2", "model.seq_len=128", "train.global_batch=8",
-           "train.micro_batch=2", f"train.steps={steps}", "checkpoint.interval=4", "log.progress=false", "dist.reduce=ddp"]
-    import re
-
-    for strategy, mode in (("ddp", "false"), ("fsdp", "false"), ("fsdp", "true")):
-        out = work / f"shard-{strategy}-{mode}"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                               "--config", "configs/tiny.yaml", *big, f"dist.strategy={strategy}", f"checkpoint.async={mode}",
-                               f"out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"bench: the {strategy} run failed:\n{proc.stderr[-3000:]}")
-        metrics = runfolder.read_metrics(out)
-        # a sync save's stall is its whole time; an async one's, until the shards are staged (the last save of a run is sync)
-        pattern = r"shards staged in ([\d.]+)s" if mode == "true" else r"saved \S+: step \d+, ([\d.]+)s"
-        saves = [float(x) for x in re.findall(pattern, proc.stderr)]
-        timing[(strategy, mode)] = (statistics.median(m["step_s"] for m in metrics[2:]), statistics.median(saves), len(saves))
-        shutil.rmtree(out, ignore_errors=True)
-    (sd, vd, nd), (sf, vf, nf), (_, va, na) = timing[("ddp", "false")], timing[("fsdp", "false")], timing[("fsdp", "true")]
-    rows += [
-        {"row": "step time, 25M model, 2 processes (gloo, CPU)", "what": "fsdp / ddp", "value": sf / sd,
-         "detail": f"{sf * 1e3:.0f} ms / {sd * 1e3:.0f} ms (median of {steps - 2} steps)"},
-        {"row": "checkpoint save, 25M model, 2 processes", "what": "sharded (DCP) / ddp", "value": vf / vd,
-         "detail": f"{vf:.2f} s / {vd:.2f} s (medians of {nf} and {nd} saves, as the runs log them)"},
-        {"row": "stall per sharded save, 25M model, 2 processes", "what": "async stall / sync stall", "value": va / vf,
-         "aim": "async stall / sync stall",
-         "detail": f"{va:.3f} s until the shards are staged (and the full model gathered for the fp16 file) / {vf:.2f} s "
-                   f"(medians of {na} and {nf} saves)"},
-    ]
-    return rows
 
 
 def _launch(args: list[str], log: Path) -> tuple[float, int]:
@@ -923,52 +611,717 @@ def order_rows() -> list[dict]:
     return rows
 
 
+def throughput(rows: list[dict], skip: int, tokens_per_step: int) -> float:
+    """Tokens per second over wall-clock, saves included, after `skip` warm-up steps."""
+    a, b = rows[skip - 1], rows[-1]
+    return (b["step"] - a["step"]) * tokens_per_step / (b["elapsed_s"] - a["elapsed_s"])
+
+
+
+def checkpoint_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path, aimed: bool) -> list[dict]:
+    """Our one save path (DCP with our hashing writer, publish, fp16 weights, manifest) on the same
+    state, interleaved round by round with its floors: a sync save against the raw write of the
+    same bytes and their sha256, a verified load against a raw read + sha256 of the same files
+    (page cache dropped before each), the async stall against the sync one and against a copy into
+    preallocated buffers; the step folder's bytes against the old format's (one torch.save resume
+    file + the fp16 weights)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = trained_states(mcfg)
+    cfg = load_config(None, SMALL)
+    cfg.model = mcfg
+    meta = bench_meta(cfg)
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": TrainState(step=1)}
+    step = iter(range(1, 10_000))
+    log_quiet()
+    out = work / f"ckpt-{label}"
+    mgr = CheckpointManager(CheckpointConfig(interval=1, keep=2), out, Runtime(), meta)
+    amgr = CheckpointManager(CheckpointConfig(interval=1, keep=2, async_=True), work / f"ckpt-async-{label}", Runtime(), meta)
+    save_t, buffered_t, direct_t, hash_t, load_t, read_t, stall_t, sync_t, copy_t, dcp_t = ([] for _ in range(10))
+    buffers, cache, files = [], "", []
+    for r in range(repeat):
+        s, seconds = timed_save(mgr, states, step)
+        save_t.append(seconds)
+        folder = out / storage.CHECKPOINTS / storage.step_dir_name(s)
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        contents = {str(p.relative_to(folder)).replace("/", "_"): p.read_bytes() for p in files}
+        buffered_t.append(raw_write_overlapped(work / f"raw-{label}-{r}", contents))
+        direct = raw_write_direct(work / f"direct-{label}-{r}", contents)
+        if direct is not None:
+            direct_t.append(direct)
+        t0 = time.perf_counter()
+        for data in contents.values():  # one core, as our save hashes in a helper thread
+            hashlib.sha256(data).hexdigest()
+        hash_t.append(time.perf_counter() - t0)
+        fresh_model = MiniMindLM(mcfg)
+        fresh_opt = make_optimizer(fresh_model, load_config(None).train)
+        fresh = {"model": ModelState(fresh_model), "optimizer": OptimizerState(fresh_model, fresh_opt), "train": TrainState()}
+        loader = CheckpointManager(CheckpointConfig(interval=1, keep=2, resume=str(folder)), out, Runtime(), meta)
+        cache = drop_page_cache(files)
+        t0 = time.perf_counter()
+        loader.load(fresh)
+        load_t.append(time.perf_counter() - t0)
+        assert fresh["train"].step == s
+        drop_page_cache(files)
+        read_t.append(raw_read_and_hash(files))
+        sync_t.append(timed_save(mgr, states, step)[1])
+        stall_t.append(timed_save(amgr, states, step)[1])
+        amgr.wait()
+        copy_t.append(preallocated_copy({"model": model, "optimizer": opt}, buffers))
+        plain = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        t0 = time.perf_counter()
+        dcp.save(plain, checkpoint_id=str(work / f"dcp-{label}-{r}"), no_dist=True)
+        dcp_t.append(time.perf_counter() - t0)
+        shutil.rmtree(work / f"dcp-{label}-{r}", ignore_errors=True)
+    amgr.drain()
+    new_bytes = folder_bytes(folder)
+    old = work / f"old-{label}.pth"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "train": {"step": 1}}, old)
+    old_bytes = old.stat().st_size + (folder / storage.WEIGHTS_FILE).stat().st_size + (folder / storage.MANIFEST).stat().st_size
+    old.unlink()
+    med = statistics.median
+    best_raw = min(med(buffered_t), med(direct_t)) if direct_t else med(buffered_t)
+    floor = max(best_raw, med(hash_t))  # a verified save writes every byte and hashes every byte
+    direct_ms = f"{med(direct_t) * 1e3:.0f} ms" if direct_t else "refused by this filesystem"
+    params = model.num_parameters()
+    rows = [
+        {"row": f"checkpoint write, {label} ({params / 1e6:.1f}M params, {new_bytes / 2**20:.0f} MiB: DCP state + fp16 weights + manifest)",
+         "what": "sync save / max(best raw write, sha256 of the bytes)", "value": med(save_t) / floor,
+         "aim": "sync save / max(best raw write, sha256 of the bytes)",
+         "detail": f"{med(save_t) * 1e3:.0f} ms ours / {floor * 1e3:.0f} ms floor; raw writes of the same bytes + fsyncs: buffered "
+                   f"with writeback started per 4 MiB block {med(buffered_t) * 1e3:.0f} ms, O_DIRECT 4 MiB blocks {direct_ms}; sha256 "
+                   f"of the bytes on one core {med(hash_t) * 1e3:.0f} ms (medians of {repeat} interleaved rounds)"},
+        {"row": f"checkpoint write, {label}", "what": "ours sync / bare dcp.save of the same state",
+         "value": med(sync_t) / med(dcp_t),
+         "detail": f"{med(sync_t) * 1e3:.0f} ms / {med(dcp_t) * 1e3:.0f} ms (ours also hashes every byte, fsyncs, writes the fp16 "
+                   f"weights and the manifest, publishes atomically)"},
+        {"row": f"checkpoint load, verified, {label}", "what": "verified load / raw read + sha256", "value": med(load_t) / med(read_t),
+         "aim": "verified load / raw read + sha256",
+         "detail": f"{med(load_t) * 1e3:.0f} ms into a fresh model + optimizer / {med(read_t) * 1e3:.0f} ms to read and hash the "
+                   f"same files (page cache dropped with {cache} before each)"},
+        {"row": f"stall per save, {label}, 1 process (ddp)", "what": "async stall / sync stall", "value": med(stall_t) / med(sync_t),
+         "aim": "async stall / sync stall", "detail": f"{med(stall_t) * 1e3:.1f} ms / {med(sync_t) * 1e3:.1f} ms"},
+        {"row": f"async stall, {label}", "what": "async stall / copy into preallocated buffers", "value": med(stall_t) / med(copy_t),
+         "aim": "async stall / copy into preallocated buffers",
+         "detail": f"{med(stall_t) * 1e3:.0f} ms / {med(copy_t) * 1e3:.0f} ms to copy every tensor of the same state into buffers "
+                   f"allocated beforehand"},
+        {"row": f"step folder on disk, {label}", "what": "new format / old format, bytes", "value": new_bytes / old_bytes,
+         "detail": f"{new_bytes / 2**20:.1f} MiB (state/ .metadata + one .distcp, fp16 weights, manifest) / {old_bytes / 2**20:.1f} MiB "
+                   f"(one torch.save resume file, fp16 weights, manifest)"},
+    ]
+    for row in rows:
+        row["aim"] = row.get("aim") if aimed else None
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(work / f"ckpt-async-{label}", ignore_errors=True)
+    return rows
+
+
+def stop_rows(work: Path) -> list[dict]:
+    """Signal to published checkpoint, the 26M shape, a real `python train.py` run stopped with
+    SIGTERM, sync and async saves."""
+    import signal
+
+    found = {}
+    for mode in ("false", "true"):
+        out, log = work / f"stop-{mode}", work / f"stop-{mode}.log"
+        args = [sys.executable, "train.py", *SMALL, f"data.tokenizer={vocab_6400(work)}", "model.seq_len=64", "train.global_batch=2",
+                "train.micro_batch=1", "checkpoint.interval=0", f"checkpoint.async={mode}", "log.progress=false", f"out_dir={out}"]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        metrics = out / runfolder.METRICS
+        end = time.monotonic() + 600
+        while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=600)
+        text = log.read_text()
+        m = re.search(r"checkpoint published ([\d.]+)s after the signal", text)
+        step = re.search(r"stopped on SIGTERM at step (\d+)", text)
+        found[mode] = (float(m.group(1)) if m else float("nan"), proc.returncode, step.group(1) if step else "?")
+    (sync_s, sync_code, sync_step), (async_s, async_code, async_step) = found["false"], found["true"]
+    return [{"row": "stop signal to published checkpoint, 26M, 1 process", "what": "async / sync", "value": async_s / sync_s,
+             "detail": f"{async_s:.2f} s async (exit {async_code}, step {async_step}) / {sync_s:.2f} s sync (exit {sync_code}, "
+                       f"step {sync_step}): the rest of the step, then the save"}]
+
+
+def throughput_rows(steps: int, rounds: int, work: Path) -> list[dict]:
+    """Tokens/s with a save every 10 steps (sync, async) against no save. The three runs of a round
+    go one after another, in an order that rotates from round to round; each ratio is taken within a
+    round, and the row gives the median over rounds with the spread."""
+    base = [f"train.steps={steps}", "checkpoint.keep=2"]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    per_step = cfg.train.global_batch * cfg.model.seq_len
+    modes = [("none", ["checkpoint.interval=0"]), ("sync", ["checkpoint.interval=10"]),
+             ("async", ["checkpoint.interval=10", "checkpoint.async=true"])]
+    ratios: dict[str, list[float]] = {"sync": [], "async": []}
+    tps: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    for r in range(rounds):
+        tp = {}
+        for name, extra in modes[r % 3:] + modes[: r % 3]:
+            rows = run_train([*base, *extra, f"out_dir={work / ('tp-' + name)}"], work / "train.log")
+            tp[name] = throughput(rows, 5, per_step)
+            tps[name].append(tp[name])
+        for name in ratios:
+            ratios[name].append(tp[name] / tp["none"])
+
+    def spread(name: str) -> str:
+        return (f"median of {rounds} rounds, each round's ratio {', '.join(f'{x:.3f}' for x in ratios[name])}; "
+                f"{statistics.median(tps[name]):,.0f} / {statistics.median(tps['none']):,.0f} tok/s")
+
+    return [
+        {"row": "training throughput, tiny, save every 10 steps", "what": "async / none", "value": statistics.median(ratios["async"]),
+         "detail": spread("async"), "aim": "throughput, async save every 10 / none"},
+        {"row": "training throughput, tiny, save every 10 steps", "what": "sync / none", "value": statistics.median(ratios["sync"]),
+         "detail": spread("sync")},
+    ]
+
+
+def minimal_loop(cfg, steps: int, parts: set[str]) -> list[float]:
+    """A plain PyTorch loop on the same model, batches and threads as train.py's: each step's
+    seconds. `parts` adds the loop's own pieces one by one (the profile of the difference): "seed"
+    (the per-micro-batch fork_rng + derive_seed draw), "loader" (our sampler and SkipBatchSampler
+    instead of a shuffled DataLoader), "item" (the step's loss as a float)."""
+    from common.seeds import derive_seed
+
+    cache = Path(cfg.data.cache_dir)
+    bin_path, _ = pack(resolve_source(cfg.data.path, cache), cfg.model.seq_len, cache)
+    ds = PackedDataset(bin_path, cfg.model.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = MiniMindLM(cfg.model)
+    opt = make_optimizer(model, cfg.train)
+    plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, 1)
+    if "loader" in parts:
+        sampler = BlockDistributedSampler(len(ds), plan, 0, cfg.seed)
+        loader = iter(DataLoader(ds, batch_sampler=SkipBatchSampler(sampler, 0), generator=torch.Generator().manual_seed(cfg.seed)))
+    else:
+        loader = iter(DataLoader(ds, batch_size=cfg.train.micro_batch, shuffle=True, drop_last=True))
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        total = 0.0
+        for j in range(plan.accum):
+            x, y = next(loader)
+            if "seed" in parts:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(derive_seed(cfg.seed, 0, s, j))
+                    loss = model(x, y)[1] / plan.accum
+            else:
+                loss = model(x, y)[1] / plan.accum
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if "item" in parts:
+            float(total)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def loop_rows(steps: int, rounds: int, work: Path) -> list[dict]:
+    """Our loop (train.py, 1 process: the whole step, from one step's start to the next one's:
+    metrics line, stop check, boundary and all) against a minimal loop of the same model, batches
+    and threads, interleaved round by round; and the minimal loop with our pieces added one at a
+    time, to say where the difference goes."""
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    torch.set_num_threads(train.runtime.default_threads(cfg.runtime, "ddp", 1))
+    ours, minimal, pieces = [], [], {"seed": [], "loader": [], "item": []}
+    for r in range(rounds):
+        rows = run_train([f"train.steps={steps}", "checkpoint.interval=0", f"out_dir={work / 'loop-ours'}"], work / "train.log")
+        ours.append((rows[-1]["elapsed_s"] - rows[2]["elapsed_s"]) / (len(rows) - 3))
+        minimal.append(statistics.median(minimal_loop(cfg, steps, set())[3:]))
+        for part in pieces:
+            pieces[part].append(statistics.median(minimal_loop(cfg, steps, {part})[3:]))
+    med = statistics.median
+    ratios = [m / o for m, o in zip(minimal, ours)]
+    detail = (f"{med(ours) * 1e3:.1f} ms ours (elapsed per step, everything), {med(minimal) * 1e3:.1f} ms minimal; each of our "
+              f"pieces added to the minimal loop alone: " + ", ".join(f"{k} +{(med(v) - med(minimal)) * 1e3:.1f} ms" for k, v in pieces.items())
+              + f"; the rest (metrics line, stop check, boundary, objective) {(med(ours) - med(minimal) - sum(med(v) - med(minimal) for v in pieces.values())) * 1e3:.1f} ms; "
+              f"median of {rounds} interleaved rounds ({', '.join(f'{x:.3f}' for x in ratios)})")
+    return [{"row": "step time, tiny, 1 process", "what": "our loop / minimal loop (speed)", "value": med(ratios), "detail": detail,
+             "aim": "our loop / minimal loop (speed)"}]
+
+
+def reduce_rows(steps: int, work: Path) -> list[dict]:
+    """canonical vs ddp on 2 processes under torchrun: median step time from metrics."""
+    med = {}
+    for mode in ("ddp", "canonical"):
+        out = work / f"reduce-{mode}"
+        launch(["--config", "configs/tiny.yaml", f"train.steps={steps}", f"dist.reduce={mode}", "checkpoint.interval=0",
+                "log.progress=false", f"out_dir={out}"], work / "torchrun.log", nproc=2)
+        med[mode] = step_median(out, 3)
+    return [{"row": "step time, tiny, 2 processes", "what": "canonical / ddp", "value": med["canonical"] / med["ddp"],
+             "detail": f"{med['canonical'] * 1e3:.0f} ms / {med['ddp'] * 1e3:.0f} ms", "aim": "canonical / ddp step time, 2 processes"}]
+
+
+def sft_rows(work: Path, conversations: int, steps: int) -> list[dict]:
+    """Packed against padded chat rows (data.pack) at seq_len 512 with MiniMind's tokenizer: the
+    share of computed positions that are real tokens and that teach, and the step time per taught
+    token training the tiny model's shape on each (1 process)."""
+    from data import tokenizer as tokenizers
+    from data.chat import ChatOptions
+    from data.dataset import ChatDataset
+
+    tok_path = vocab_6400(work)
+    source = work / "sft.jsonl"
+    chat_corpus(source, conversations, tok_path)
+    tok = tokenizers.load(str(tok_path))
+    got = {}
+    for packed in (True, False):
+        bin_path, meta = pack(source, 512, work / "sft-cache", tok, chat=ChatOptions(pack=packed))
+        computed = meta["num_samples"] * 512
+        rows = run_train([f"data.path={source}", "data.format=chat", f"data.pack={str(packed).lower()}", f"data.tokenizer={tok_path}",
+                          f"data.cache_dir={work / 'sft-cache'}", "model.seq_len=512", "train.global_batch=16", "train.micro_batch=4",
+                          f"train.steps={steps}", "checkpoint.interval=0", "log.sample_ids=true", f"out_dir={work / 'sft-run'}"],
+                         work / "train.log")
+        ds = ChatDataset(bin_path, 512, dtype=meta["dtype"])
+        per_taught = statistics.median(r["step_s"] / ds.taught(r["sample_ids"]) for r in rows[2:])
+        got[packed] = {"real": meta["tokens"] / computed, "taught": meta["taught"] / computed, "rows": meta["num_samples"],
+                       "per_taught": per_taught}
+    p, q = got[True], got[False]
+    return [
+        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "packed: real tokens / tokens computed",
+         "value": p["real"], "aim": "packed: real tokens / tokens computed",
+         "detail": f"packed {p['real']:.3f} in {p['rows']} rows; padded {q['real']:.3f} in {q['rows']} rows"},
+        {"row": f"chat rows, {conversations} MiniMind-like conversations, seq_len 512", "what": "taught tokens per token computed, packed / padded",
+         "value": p["taught"] / q["taught"], "aim": "taught tokens per token computed, packed / padded",
+         "detail": f"packed {p['taught']:.3f}, padded {q['taught']:.3f} taught tokens per position computed"},
+        {"row": "chat step time per taught token, tiny shape at seq_len 512, 1 process", "what": "packed / padded",
+         "value": p["per_taught"] / q["per_taught"],
+         "detail": f"{p['per_taught'] * 1e6:.1f} us / {q['per_taught'] * 1e6:.1f} us per taught token (median of {steps - 2} steps)"},
+    ]
+
+
+def sharding_rows(work: Path, steps: int) -> list[dict]:
+    """dist.strategy=fsdp against ddp: per-rank bytes of parameters, gradients and AdamW state of the
+    26M shape on 2 and 4 processes (the largest rank's), and on 2 processes the step time, the save
+    time and the async stall of train.py (the 26M shape)."""
+    rows = []
+    for n in (2, 4):
+        child = work / "shard_child.py"
+        child.write_text(_SHARD_CHILD)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(child),
+                               str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench: the sharding child failed:\n{proc.stderr[-3000:]}")
+        per_rank = json.loads(proc.stdout.strip().splitlines()[-1])
+        total = {k: max(sum(r[k].values()) for r in per_rank) for k in ("ddp", "fsdp")}
+        parts = {k: max(r["fsdp"][k] for r in per_rank) / 2**20 for k in ("params", "grads", "optimizer")}
+        rows.append({"row": f"per-rank bytes of parameters + gradients + AdamW state, 26M shape, {n} processes",
+                     "what": "fsdp / ddp", "value": total["fsdp"] / total["ddp"], "aim": f"fsdp / ddp memory, {n} processes",
+                     "detail": f"{total['fsdp'] / 2**20:.0f} MiB / {total['ddp'] / 2**20:.0f} MiB on the largest rank "
+                               f"(fsdp: {parts['params']:.0f} + {parts['grads']:.0f} + {parts['optimizer']:.0f} MiB)"})
+    timing = {}
+    big = [*SMALL, f"data.tokenizer={vocab_6400(work)}", "model.seq_len=128", "train.global_batch=8", "train.micro_batch=2",
+           f"train.steps={steps}", "checkpoint.interval=4", "log.progress=false", "dist.reduce=ddp"]
+    for strategy, mode in (("ddp", "false"), ("fsdp", "false"), ("fsdp", "true")):
+        out = work / f"shard-{strategy}-{mode}"
+        _, err = launch(["--config", "configs/tiny.yaml", *big, f"dist.strategy={strategy}", f"checkpoint.async={mode}", f"out_dir={out}"],
+                        work / "shard.log", nproc=2)
+        # a sync save's stall is its whole time; an async one's, until its snapshot is taken (the last save of a run is sync)
+        pattern = r"snapshot taken in ([\d.]+)s" if mode == "true" else r"saved \S+: step \d+, ([\d.]+)s"
+        saves = [float(x) for x in re.findall(pattern, err)]
+        timing[(strategy, mode)] = (step_median(out), statistics.median(saves), len(saves))
+        shutil.rmtree(out, ignore_errors=True)
+    (sd, vd, nd), (sf, vf, nf), (_, va, na) = timing[("ddp", "false")], timing[("fsdp", "false")], timing[("fsdp", "true")]
+    rows += [
+        {"row": "step time, 26M shape, 2 processes (gloo, CPU)", "what": "fsdp / ddp", "value": sf / sd,
+         "detail": f"{sf * 1e3:.0f} ms / {sd * 1e3:.0f} ms (median of {steps - 2} steps)"},
+        {"row": "checkpoint save, 26M shape, 2 processes", "what": "fsdp / ddp (the same DCP path)", "value": vf / vd,
+         "detail": f"{vf:.2f} s / {vd:.2f} s (medians of {nf} and {nd} saves, as the runs log them)"},
+        {"row": "stall per save, 26M shape, 2 processes under fsdp", "what": "async stall / sync stall", "value": va / vf,
+         "aim": "async stall / sync stall",
+         "detail": f"{va:.3f} s until the snapshot is taken / {vf:.2f} s (medians of {na} and {nf} saves)"},
+    ]
+    return rows
+
+
+def generation_rows(new_tokens: int = 256) -> list[dict]:
+    """Tokens per second generating `new_tokens` greedily after a 4-token prompt, with the KV cache
+    against recomputing the whole sequence per token (model/generate.py generate_ids), tiny and 26M
+    shapes (random weights, seq_len 512; EOS ignored)."""
+    from model.generate import generate_ids
+
+    rows = []
+    tiny = load_config(ROOT / "configs" / "tiny.yaml").model
+    shapes = {"tiny": ModelConfig(dim=tiny.dim, n_layers=tiny.n_layers, n_heads=tiny.n_heads, n_kv_heads=tiny.n_kv_heads, seq_len=512),
+              "26M": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1664, qk_norm=True, vocab_size=6400,
+                                 seq_len=512)}
+    for label, mcfg in shapes.items():
+        torch.manual_seed(0)
+        model = MiniMindLM(mcfg).eval()
+        seconds, tokens = {}, {}
+        for cached in (True, False):
+            t0 = time.perf_counter()
+            tokens[cached] = generate_ids(model, [1, 2, 3, 4], new_tokens, temperature=0.0, eos=None, use_cache=cached)
+            seconds[cached] = time.perf_counter() - t0
+        same = tokens[True] == tokens[False]
+        rows.append({"row": f"generation, {label}, {new_tokens} new tokens, 1 process", "what": "KV cache / recompute (tokens/s)",
+                     "value": seconds[False] / seconds[True],
+                     "detail": f"{new_tokens / seconds[True]:.0f} tok/s cached / {new_tokens / seconds[False]:.0f} tok/s recomputed; "
+                               f"greedy tokens {'identical' if same else 'DIFFER'}", "aim": "generation, KV cache / recompute"})
+    return rows
+
+
+def ensure_bench_requirements() -> None:
+    """MiniMind's trainer needs transformers and datasets (requirements-bench.txt): installed here
+    when missing, never by scripts/train.sh."""
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-r",
+                        str(ROOT / "requirements-bench.txt")], check=True)
+
+
+def peer_corpus(work: Path, lines: int) -> Path:
+    """The first `lines` lines of a mixed Chinese/English corpus (bench's mixed_corpus), one file per length."""
+    whole = work / "peer-whole.jsonl"
+    if not whole.exists():
+        mixed_corpus(whole, 4, vocab_6400(work), seed=1)
+    out = work / f"peer-{lines}.jsonl"
+    with open(whole, encoding="utf-8") as src, open(out, "w", encoding="utf-8") as dst:
+        for _ in range(lines):
+            dst.write(src.readline())
+    return out
+
+
+def minimind_run(scratch: Path, corpus: Path, work: Path, compile_: bool) -> float:
+    """MiniMind's train_pretrain.py, unmodified, from the scratch copy: one epoch over `corpus`
+    (so its step count is the corpus's lines / 8); seconds from start to exit."""
+    out = work / "mm-out"
+    cmd = [sys.executable, "train_pretrain.py", "--data_path", str(corpus), "--hidden_size", "512", "--num_hidden_layers", "8",
+           "--max_seq_len", "256", "--batch_size", "8", "--accumulation_steps", "1", "--epochs", "1", "--num_workers", "1",
+           "--device", "cpu", "--log_interval", "100000", "--save_interval", "100000", "--save_dir", str(out),
+           "--use_compile", "1" if compile_ else "0"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=scratch / "trainer", capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    seconds = time.perf_counter() - t0
+    with open(work / "minimind.log", "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n")
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: MiniMind's trainer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return seconds
+
+
+def ours_run(corpus: Path, steps: int, work: Path, compile_: bool) -> float:
+    """train.py on the same corpus, shape and batch (8 rows of 256), one process; seconds to exit."""
+    out = work / "ours-peer"
+    shutil.rmtree(out, ignore_errors=True)
+    seconds, _ = launch(["--config", "configs/tiny.yaml", *SMALL, f"data.path={corpus}", f"data.tokenizer={MINIMIND_TOKENIZER}",
+                         f"data.cache_dir={work / 'peer-cache'}", "train.global_batch=8", "train.micro_batch=8", f"train.steps={steps}",
+                         "train.warmup_steps=2", "checkpoint.interval=0", "log.progress=false", f"train.compile={str(compile_).lower()}",
+                         f"out_dir={out}"], work / "peer.log")
+    return seconds
+
+
+def peer_rows(work: Path, short: int, long: int) -> list[dict]:
+    """Our loop beside MiniMind's own trainer, unmodified (its files at the shared commit, copied to
+    a scratch folder, as it writes beside itself): the same width and depth, batch 8 x 256, CPU, one
+    process, the same JSONL corpus and MiniMind's tokenizer. Time per step from the difference of
+    two run lengths (`short` and `long` steps), so start-up, data set-up and the final save cancel;
+    each side's compiled variant likewise, after a warm-up run that fills the compile cache. Then
+    where the difference comes from: each model's forward and backward alone on the same batch, and
+    MiniMind's data loader alone (it tokenizes in the loop)."""
+    if not MINIMIND_TOKENIZER.is_file() or not (UPSTREAM / "trainer" / "train_pretrain.py").is_file():
+        return []
+    ensure_bench_requirements()
+    scratch = work / "minimind"
+    shutil.copytree(UPSTREAM, scratch)
+    (scratch / "model" / "tokenizer.json").write_bytes(MINIMIND_TOKENIZER.read_bytes())  # its init_model reads ../model
+    small, big = peer_corpus(work, 8 * short), peer_corpus(work, 8 * long)
+    ours_run(big, 2, work, False)  # pack both corpora ahead: the runs below read the cache
+    ours_run(small, 2, work, False)
+    times = {}
+    for compile_ in (False, True):
+        if compile_:  # fill each side's compile cache first: both timed runs then read it
+            minimind_run(scratch, small, work, True)
+            ours_run(small, 3, work, True)
+        mm = [minimind_run(scratch, c, work, compile_) for c in (small, big)]
+        us = [ours_run(c, n, work, compile_) for c, n in ((small, short), (big, long))]
+        times[compile_] = ((mm[1] - mm[0]) / (long - short), (us[1] - us[0]) / (long - short))
+    # MiniMind pads each document to 256: the positions that carry a loss, over the long corpus
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MINIMIND_TOKENIZER))
+    texts = [json.loads(line)["text"] for line in open(big, encoding="utf-8")]
+    carried = statistics.mean(min(len(e.ids) + 2, 256) - 1 for e in tok.encode_batch(texts, add_special_tokens=False))
+    (mm_step, our_step), (mmc_step, ourc_step) = times[False], times[True]
+    ours_tps, mm_tps = 8 * 256 / our_step, 8 * carried / mm_step
+    why = peer_breakdown(scratch, big)
+    return [
+        {"row": "training step, MiniMind's shape (hidden 512, 8 layers, 8 heads, 4 KV, FFN 1664), batch 8 x 256, CPU, 1 process",
+         "what": "ours / MiniMind's trainer, time per step", "value": our_step / mm_step, "aim": "ours / MiniMind's trainer, time per step",
+         "detail": f"{our_step:.2f} s / {mm_step:.2f} s (from {short}- and {long}-step runs of each, start-up cancelled); {why}"},
+        {"row": "training step, MiniMind's shape, batch 8 x 256", "what": "ours / MiniMind's trainer, loss-carrying tokens per second",
+         "value": ours_tps / mm_tps, "aim": "ours / MiniMind's trainer, loss-carrying tokens per second",
+         "detail": f"{ours_tps:,.0f} / {mm_tps:,.0f} tok/s: we pack (256 of 256 positions carry a loss), MiniMind pads each document "
+                   f"to the row ({carried:.0f} of 256 on this corpus)"},
+        {"row": "training step, MiniMind's shape, batch 8 x 256, compiled", "what": "ours compiled / MiniMind's --use_compile 1, time per step",
+         "value": ourc_step / mmc_step, "aim": "ours compiled / MiniMind's --use_compile 1, time per step",
+         "detail": f"{ourc_step:.2f} s (train.compile=true) / {mmc_step:.2f} s (--use_compile 1), warm caches"},
+    ]
+
+
+def peer_breakdown(scratch: Path, corpus: Path, rounds: int = 5) -> str:
+    """Each model's forward + backward + AdamW step alone on the same batch (8 x 256, random ids),
+    and MiniMind's DataLoader alone over its dataset (tokenizing each document as it is read)."""
+    import importlib.util
+
+    sys.path.insert(0, str(scratch))
+    try:
+        spec = importlib.util.spec_from_file_location("mm_model", scratch / "model" / "model_minimind.py")
+        mm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mm)
+        spec = importlib.util.spec_from_file_location("mm_data", scratch / "dataset" / "lm_dataset.py")
+        mmd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mmd)
+        from transformers import AutoTokenizer
+
+        torch.manual_seed(0)
+        theirs = mm.MiniMindForCausalLM(mm.MiniMindConfig(hidden_size=512, num_hidden_layers=8))
+        cfg = load_config(None, SMALL)
+        cfg.model.vocab_size = 6400
+        ours = MiniMindLM(cfg.model)
+        x = torch.randint(0, 6400, (8, 256))
+
+        def step(model, fn):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                fn().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
+
+        t_ours = step(ours, lambda: ours(x, x)[1])
+        t_theirs = step(theirs, lambda: theirs(x, labels=x).loss)
+        tok = AutoTokenizer.from_pretrained(str(scratch / "model"))
+        ds = mmd.PretrainDataset(str(corpus), tok, max_length=256)
+        loader = iter(DataLoader(ds, batch_size=8, num_workers=0))
+        t0 = time.perf_counter()
+        n = 0
+        for _ in range(min(20, len(ds) // 8)):
+            next(loader)
+            n += 1
+        t_data = (time.perf_counter() - t0) / max(n, 1)
+    finally:
+        sys.path.remove(str(scratch))
+    return (f"where it goes, measured alone on the same batch: forward + backward + AdamW step {t_ours:.2f} s ours (SDPA attention) "
+            f"/ {t_theirs:.2f} s MiniMind's model; MiniMind's data loader {t_data * 1e3:.0f} ms a batch (tokenizing in the loop; "
+            f"with --num_workers 1 it overlaps the step), ours reads packed ids")
+
+
+def compile_rows(work: Path, short: int, long: int) -> list[dict]:
+    """train.compile at the 26M shape on CPU: tokens/s compiled / eager (per step from two run
+    lengths, the compile cache warm), and the first step's time with a cold cache (the compile)."""
+    tok = vocab_6400(work)
+    base = ["--config", "configs/tiny.yaml", *SMALL, f"data.tokenizer={tok}", "train.global_batch=8", "train.micro_batch=8",
+            "checkpoint.interval=0", "log.progress=false", "train.warmup_steps=2", f"data.cache_dir={work / 'c-cache'}"]
+    cold = work / "inductor-cold"
+    _, err = launch([*base, "train.steps=2", "train.compile=true", f"out_dir={work / 'c-cold'}"], work / "compile.log",
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(cold)})
+    first = float(re.search(r"the first step took ([\d.]+) s", err).group(1))
+    per = {}
+    for compiled in (False, True):
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(cold)}
+        t = [launch([*base, f"train.steps={n}", f"train.compile={str(compiled).lower()}", f"out_dir={work / f'c-{compiled}-{n}'}"],
+                    work / "compile.log", env=env)[0] for n in (short, long)]
+        per[compiled] = (t[1] - t[0]) / (long - short)
+    _, err = launch([*base, "train.steps=2", "train.compile=true", f"out_dir={work / 'c-warm'}"], work / "compile.log",
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(cold)})
+    warm = float(re.search(r"the first step took ([\d.]+) s", err).group(1))
+    shutil.rmtree(cold, ignore_errors=True)
+    return [
+        {"row": "train.compile, 26M shape (MiniMind's), batch 8 x 256, CPU, 1 process", "what": "compiled / eager tokens per second",
+         "value": per[False] / per[True], "aim": "compiled / eager tokens per second",
+         "detail": f"{per[True]:.2f} s / {per[False]:.2f} s per step (from {short}- and {long}-step runs, the compile cache warm)"},
+        {"row": "train.compile, 26M shape, the first step", "what": "cold cache / warm cache, seconds", "value": first / warm,
+         "detail": f"{first:.1f} s with an empty TORCHINDUCTOR_CACHE_DIR (the compile) / {warm:.1f} s reading it"},
+    ]
+
+
+def checkpointing_rows(work: Path, steps: int) -> list[dict]:
+    """train.activation_checkpointing=full against none at the 26M shape, batch 8 x 256: the
+    process's peak RSS and the step time (fresh processes)."""
+    tok = vocab_6400(work)
+    base = ["--config", "configs/tiny.yaml", *SMALL, f"data.tokenizer={tok}", "train.global_batch=8", "train.micro_batch=8",
+            f"train.steps={steps}", "checkpoint.interval=0", "log.progress=false", f"data.cache_dir={work / 'c-cache'}"]
+    got = {}
+    for mode in ("none", "full"):
+        out = work / f"ac-{mode}"
+        rss, _ = run_rss([*base, f"train.activation_checkpointing={mode}", f"out_dir={out}"], work)
+        got[mode] = (rss, step_median(out, 1))
+    (rn, tn), (rf, tf) = got["none"], got["full"]
+    return [
+        {"row": "activation checkpointing, 26M shape, batch 8 x 256, CPU", "what": "activation checkpointing / none, peak RSS",
+         "value": rf / rn, "aim": "activation checkpointing / none, peak RSS",
+         "detail": f"{rf / 2**20:.0f} MiB / {rn / 2**20:.0f} MiB (the whole process's peak: weights, AdamW, activations)"},
+        {"row": "activation checkpointing, 26M shape, batch 8 x 256, CPU", "what": "full / none, step time", "value": tf / tn,
+         "detail": f"{tf:.2f} s / {tn:.2f} s (each block's forward runs again in the backward)"},
+    ]
+
+
+def models_rows(work: Path, steps: int) -> list[dict]:
+    """MiniMind-3's MoE against a dense model with the same active parameters (4 experts, top-1,
+    each expert the dense FFN's width), and minimind3_small against minimind2_small: step time and
+    tokens per second at batch 8 x 256, 1 process."""
+    tok = vocab_6400(work)
+    common = [f"data.tokenizer={tok}", "train.global_batch=8", "train.micro_batch=8", f"train.steps={steps}", "checkpoint.interval=0",
+              "log.progress=false", "model.seq_len=256", f"data.cache_dir={work / 'c-cache'}"]
+    t = {}
+    for name, args in (("dense", ["--config", "configs/tiny.yaml", *SMALL]),
+                       ("moe", ["--config", "configs/tiny.yaml", *SMALL, "model.moe.experts=4", "model.moe.top_k=1"]),
+                       ("minimind2_small", ["--config", "configs/minimind2_small.yaml"]),
+                       ("minimind3_small", ["--config", "configs/minimind3_small.yaml"])):
+        out = work / f"m-{name}"
+        launch([*args, *common, f"out_dir={out}"], work / "models.log")
+        t[name] = step_median(out, 2)
+    return [
+        {"row": "MoE (4 experts, top-1) vs dense, the same active parameters, 26M shape, batch 8 x 256", "what": "MoE / dense, step time",
+         "value": t["moe"] / t["dense"], "detail": f"{t['moe']:.2f} s / {t['dense']:.2f} s (the router, the experts' token dispatch, "
+                                                   f"and four experts' weights for one's arithmetic)"},
+        {"row": "configs/minimind3_small.yaml vs configs/minimind2_small.yaml, batch 8 x 256", "what": "tokens per second, 3 / 2",
+         "value": t["minimind2_small"] / t["minimind3_small"],
+         "detail": f"{8 * 256 / t['minimind3_small']:,.0f} / {8 * 256 / t['minimind2_small']:,.0f} tok/s"},
+    ]
+
+
+def lora_rows(work: Path) -> list[dict]:
+    """A LoRA checkpoint (rank 16 on MiniMind's square linears) against a full fine-tune's of the
+    same 26M model: the step folder's bytes and the save's time as the runs log them."""
+    tok = vocab_6400(work)
+    base = ["--config", "configs/tiny.yaml", *SMALL, f"data.tokenizer={tok}", "model.seq_len=128", "train.global_batch=4",
+            "train.micro_batch=4", "train.steps=6", "checkpoint.interval=2", "log.progress=false", f"data.cache_dir={work / 'c-cache'}"]
+    got = {}
+    for name, extra in (("full", []), ("lora", ["train.lora.rank=16"])):
+        out = work / f"lora-{name}"
+        _, err = launch([*base, *extra, f"out_dir={out}"], work / "lora.log")
+        saves = [float(x) for x in re.findall(r"saved \S+: step \d+, ([\d.]+)s", err)]
+        got[name] = (folder_bytes(out / storage.CHECKPOINTS / storage.step_dir_name(6)), statistics.median(saves))
+    (bf, sf), (bl, sl) = got["full"], got["lora"]
+    return [{"row": "checkpoint of a LoRA run (rank 16, q_proj + o_proj) vs a full fine-tune, 26M shape", "what": "LoRA / full, bytes",
+             "value": bl / bf, "detail": f"{bl / 2**20:.2f} MiB / {bf / 2**20:.1f} MiB per step folder (the base is pinned by its hash)"},
+            {"row": "checkpoint of a LoRA run vs a full fine-tune, 26M shape", "what": "LoRA / full, save time", "value": sl / sf,
+             "detail": f"{sl:.2f} s / {sf:.2f} s (medians of 3 saves)"}]
+
+
+def dpo_rows(work: Path, steps: int) -> list[dict]:
+    """DPO on the built-in pairs at the tiny shape (seq_len 512, 1 process): step time with the
+    precomputed reference against a live one; and packed pairs against one padded pair per row:
+    taught tokens per computed position (data.pack)."""
+    base = ["--config", "configs/tiny.yaml", "data.path=stdlib-preference", "data.format=preference", "train.objective=dpo",
+            "model.seq_len=512", "train.global_batch=8", "train.micro_batch=4", f"train.steps={steps}", "checkpoint.interval=0",
+            "log.progress=false", "data.num_samples=400", f"data.cache_dir={work / 'dpo-cache'}"]
+    t, taught = {}, {}
+    for name, extra in (("precompute", []), ("live", ["train.dpo.precompute=false"])):
+        out = work / f"dpo-{name}"
+        launch([*base, *extra, f"out_dir={out}"], work / "dpo.log")
+        t[name] = step_median(out, 2)
+    from data import tokenizer as tokenizers
+    from data.chat import ChatOptions
+
+    source = resolve_source("stdlib-preference", work / "dpo-cache")
+    for packed in (True, False):
+        _, meta = pack(source, 512, work / "dpo-cache", tokenizers.ByteTokenizer(), chat=ChatOptions(pack=packed, kind="preference"))
+        taught[packed] = meta["taught"] / (meta["num_samples"] * 512)
+    return [{"row": "DPO, tiny shape at seq_len 512, batch 8 rows, 1 process", "what": "DPO, precomputed / live reference, step time",
+             "value": t["precompute"] / t["live"], "aim": "DPO, precomputed / live reference, step time",
+             "detail": f"{t['precompute'] * 1e3:.0f} ms / {t['live'] * 1e3:.0f} ms (the live reference: one more forward per row)"},
+            {"row": "DPO rows, the built-in pairs at seq_len 512", "what": "taught tokens per computed position, packed / padded pairs",
+             "value": taught[True] / taught[False], "detail": f"{taught[True]:.3f} packed / {taught[False]:.3f} one pair per row"}]
+
+
+def grpo_rows(work: Path, steps: int) -> list[dict]:
+    """GRPO on the built-in sums at the tiny shape: a group's rollout with the KV cache against
+    recomputing the sequence per token; the share of a step spent generating; 2 processes / 1."""
+    from model.generate import generate_group
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml").model
+    torch.manual_seed(0)
+    model = MiniMindLM(cfg).eval()
+    prompt = list(range(1, 41))
+    gens = lambda: [torch.Generator().manual_seed(k) for k in range(6)]  # noqa: E731
+    t = {}
+    for cached in (True, False):
+        t0 = time.perf_counter()
+        out = generate_group(model, prompt, gens(), 64, use_cache=cached)
+        t[cached] = time.perf_counter() - t0
+        t[(cached, "ids")] = out
+    base = ["--config", "configs/tiny.yaml", "data.path=stdlib-arith", "data.format=prompts", "train.objective=grpo",
+            "train.global_batch=24", "train.micro_batch=6", "train.grpo.max_new_tokens=16", f"train.steps={steps}",
+            "checkpoint.interval=0", "log.progress=false", "dist.reduce=canonical", f"data.cache_dir={work / 'grpo-cache'}"]
+    step = {}
+    for n in (1, 2):
+        out = work / f"grpo-{n}"
+        launch([*base, f"out_dir={out}"], work / "grpo.log", nproc=n if n > 1 else 0)
+        rows = runfolder.read_metrics(out)[1:]
+        step[n] = (statistics.median(r["step_s"] for r in rows), statistics.median(r["rollout_s"] / r["step_s"] for r in rows))
+    return [
+        {"row": "GRPO rollout, tiny shape, a group of 6 x 64 new tokens after 40", "what": "KV cache / recompute (tokens/s)",
+         "value": t[False] / t[True], "detail": f"{6 * 64 / t[True]:.0f} / {6 * 64 / t[False]:.0f} tok/s; the same ids: "
+                                                 f"{'yes' if torch.equal(t[(True, 'ids')], t[(False, 'ids')]) else 'NO'}"},
+        {"row": "GRPO step, tiny shape, 4 prompts x 6 completions of 16 tokens, 1 process", "what": "generation / step time",
+         "value": step[1][1], "detail": f"median of {steps - 1} steps of {step[1][0]:.2f} s"},
+        {"row": "GRPO step, tiny shape, 4 prompts x 6 completions", "what": "step time, 2 processes / 1", "value": step[2][0] / step[1][0],
+         "detail": f"{step[2][0]:.2f} s / {step[1][0]:.2f} s (each rank generates its own groups)"},
+    ]
+
+
+SECTIONS = ("checkpoint", "throughput", "loop", "peer", "compile", "models", "lora", "dpo", "grpo", "corpora", "packing", "sft",
+            "sharding", "generation")
+
+
+def small_model() -> ModelConfig:
+    """The 26M shape (SMALL) with MiniMind's 6,400-id vocabulary."""
+    cfg = load_config(None, SMALL).model
+    cfg.vocab_size = 6400
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps, no 26M rows (about 2 minutes here)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, rounds and steps")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here (docs/bench.json is a full run's, whole)")
-    parser.add_argument("--only", choices=("packing", "generation", "throughput", "corpora", "sft", "sharding"), help="run only these rows")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     parser.add_argument("--corpus-mb", type=int, default=200, help="size of the packing rows' generated corpus (and twice it)")
     a = parser.parse_args(argv)
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=ROOT / "runs" if (ROOT / "runs").exists() else None))
-    # DCP's save wants a process group; a single-rank gloo one on a free port.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    q = a.quick
+    wanted = set(a.only or SECTIONS)
+    sections = {
+        "checkpoint": lambda: [*resume_rows(10_000_000),  # first: its peak-RSS figure needs a process that has not peaked yet
+                               *checkpoint_rows("26M", small_model(), 3 if q else 5, work, aimed=True),
+                               *([] if q else stop_rows(work))],
+        "throughput": lambda: throughput_rows(20 if q else 40, 2 if q else 4, work),
+        "loop": lambda: [*loop_rows(15 if q else 30, 2 if q else 4, work), *reduce_rows(15 if q else 30, work)],
+        "peer": lambda: peer_rows(work, 3 if q else 4, 8 if q else 12),
+        "compile": lambda: [*compile_rows(work, 3 if q else 4, 8 if q else 12), *checkpointing_rows(work, 3 if q else 5)],
+        "models": lambda: models_rows(work, 4 if q else 6),
+        "lora": lambda: lora_rows(work),
+        "dpo": lambda: dpo_rows(work, 6 if q else 12),
+        "grpo": lambda: grpo_rows(work, 4 if q else 8),
+        "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if q else 2.0, 3)],
+        "packing": lambda: packing_rows(work, 50 if q else a.corpus_mb),
+        "sft": lambda: sft_rows(work, 1000 if q else 4000, 6 if q else 12),
+        "sharding": lambda: sharding_rows(work, 6 if q else 10),
+        "generation": lambda: generation_rows(64 if q else 256),
+    }
     rows: list[dict] = []
     try:
-        if a.only:
-            rows += {"packing": lambda: packing_rows(work, a.corpus_mb), "generation": generation_rows,
-                     "throughput": lambda: throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work),
-                     "corpora": lambda: [*order_rows(), *launch_rows(work, 0.2 if a.quick else 2.0, 3)],
-                     "sft": lambda: sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12),
-                     "sharding": lambda: sharding_rows(work, 6 if a.quick else 10)}[a.only]()
-            return report(rows, a, t0)
-        rows += resume_rows(10_000_000)  # first: its peak-RSS figure needs a process that has not peaked yet
-        repeat = 3 if a.quick else 5
-        tiny = load_config(ROOT / "configs" / "tiny.yaml").model
-        r, _ = stall_rows("tiny", tiny, repeat, work)
-        rows += r
-        if not a.quick:
-            big = ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, vocab_size=6400, seq_len=512)
-            r, _ = stall_rows("26M", big, repeat, work)
-            rows += r
-            rows += stop_rows(work)
-        rows += resume_read_rows(work)
-        rows += throughput_rows(20 if a.quick else 40, 2 if a.quick else 4, work)
-        rows += loop_rows(15 if a.quick else 30, work)
-        dist.destroy_process_group()
-        rows += reduce_rows(15 if a.quick else 30, work)
-        rows += packing_rows(work, 50 if a.quick else a.corpus_mb)
-        rows += order_rows()
-        rows += launch_rows(work, 0.2 if a.quick else 2.0, 3)
-        rows += sft_rows(work, 1000 if a.quick else 4000, 6 if a.quick else 12)
-        rows += sharding_rows(work, 6 if a.quick else 10)
-        rows += generation_rows(64 if a.quick else 256)
+        for name in SECTIONS:
+            if name in wanted:
+                t1 = time.time()
+                got = sections[name]()
+                for row in got:
+                    row["section"] = name
+                rows += got
+                print(f"[bench] {name}: {len(got)} rows, {time.time() - t1:.0f} s", file=sys.stderr, flush=True)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
     return report(rows, a, t0)
 
@@ -978,18 +1331,23 @@ def report(rows: list[dict], a: argparse.Namespace, t0: float) -> int:
         aim = AIMS.get(row.get("aim") or "")
         row["aim"] = f"{aim[0]} {aim[1]}" if aim else ""
         row["meets_aim"] = (row["value"] <= aim[1] if aim[0] == "<=" else row["value"] >= aim[1]) if aim else None
-    print(f"bench ({a.only or ('quick' if a.quick else 'full')}, {time.time() - t0:.0f} s, torch {torch.__version__}, {os.cpu_count()} cores)\n")
+    print(f"bench ({' '.join(a.only) if a.only else ('quick' if a.quick else 'full')}, {time.time() - t0:.0f} s, torch {torch.__version__}, "
+          f"{os.cpu_count()} cores)\n")
     print("| measured | ratio | value | aim | figures |")
     print("|---|---|---|---|---|")
     for row in rows:
         mark = "" if row["meets_aim"] is None else (" ✓" if row["meets_aim"] else " ✗")
         print(f"| {row['row']} | {row['what']} | {row['value']:.3f} | {row['aim']}{mark} | {row['detail']} |")
     if a.json:
-        run = {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "quick": a.quick, "only": a.only,
+        run = {"command": " ".join(["python", "scripts/bench.py", *(argv_of(a))]), "quick": a.quick, "only": a.only,
                "seconds": round(time.time() - t0), "torch": torch.__version__, "cores": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "aims_missed": [r["what"] for r in rows if r["meets_aim"] is False]}
         a.json.write_text(json.dumps({**run, "rows": rows}, indent=1) + "\n")
     return 0
+
+
+def argv_of(a: argparse.Namespace) -> list[str]:
+    return sys.argv[1:]
 
 
 if __name__ == "__main__":

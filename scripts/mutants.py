@@ -35,6 +35,8 @@ class Mutant:
     tests: tuple[str, ...]
 
 
+GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
+
 MUTANTS = (
     Mutant("rng-not-restored", "every rank's global RNG state is restored on resume (I6)",
            "checkpoint/manager.py", "            rng.restore_blob(target[\"rng\"][str(self.comm.rank)], self.comm.device)\n", "            pass\n",
@@ -228,6 +230,32 @@ MUTANTS = (
     Mutant("lora-base-trainable", "the base is frozen: no gradient, no optimizer state, not in the checkpoint",
            "model/lora.py", "        p.requires_grad_(False)\n", "        pass\n",
            ("tests/test_lora.py::test_fresh_adapters_leave_the_base_model_as_it_was_and_train_alone",)),
+    Mutant("dpo-mean-not-sum", "a side's log-probability is the sum over its taught tokens (TRL's, MiniMind's), not their mean",
+           "objectives/dpo.py", "    return (lp.unsqueeze(-1) * onehot).sum(1)\n",
+           "    return (lp.unsqueeze(-1) * onehot).sum(1) / onehot.sum(1).clamp(min=1)\n",
+           ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
+    Mutant("dpo-beta-dropped", "the loss is -log sigmoid(beta * delta)",
+           "objectives/dpo.py", "losses = -F.logsigmoid(self.cfg.beta * delta)", "losses = -F.logsigmoid(delta)",
+           ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
+    Mutant("dpo-reference-follows-policy", "the reference is a frozen copy: it never trains",
+           "objectives/dpo.py", "            self.reference = reference\n", "            self.reference = self.policy\n",
+           ("tests/test_dpo.py::test_a_live_reference_gives_the_precomputed_references_bits",)),
+    Mutant("dpo-chosen-rejected-swapped", "the chosen side is preferred over the rejected one",
+           "objectives/dpo.py", "chosen, rejected = policy[:, 0::2] - ref[:, 0::2], policy[:, 1::2] - ref[:, 1::2]",
+           "rejected, chosen = policy[:, 0::2] - ref[:, 0::2], policy[:, 1::2] - ref[:, 1::2]",
+           ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
+    Mutant("grpo-sampling-seeded-by-rank", "a completion's draws are (seed, step, prompt, r)'s, whichever rank makes them (docs/rl.md)",
+           "objectives/grpo.py", "derive_seed(self.seed, STREAM, self.step, index, r)", "derive_seed(self.seed, STREAM, self.step, index, r, self.rt.rank)",
+           (GRPO_CHAIN,)),
+    Mutant("grpo-group-std-left-out", "advantages are the group's rewards normalized by its std",
+           "objectives/grpo.py", "return ((grouped - mean) / (std + 1e-4)).view(-1)", "return (grouped - mean).view(-1)",
+           ("tests/test_grpo.py::test_advantages_are_the_group_normalized_rewards_and_zero_for_a_group_of_equal_rewards",)),
+    Mutant("grpo-ratio-clamp-removed", "GRPO clips the ratio to [1 - eps, 1 + eps]",
+           "objectives/grpo.py", "torch.min(ratio * a, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * a)", "torch.min(ratio * a, ratio * a)",
+           ("tests/test_grpo.py::test_the_cispo_and_grpo_losses_are_the_formulas_on_a_fixed_batch",)),
+    Mutant("grpo-rollout-buffer-not-saved", "a rollout under update is in the resume state",
+           "objectives/grpo.py", 'return {"rollout": RolloutState(self, self.rt)} if self.cfg.updates_per_rollout > 1 else {}', "return {}",
+           (GRPO_CHAIN,)),
 )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import storage  # noqa: E402
+from checkpoint import format, storage  # noqa: E402
 
 _write_file = storage.write_file
 
@@ -27,6 +27,6 @@ def _slow_write_file(path, obj, *rest):
     return entry
 
 
-storage.write_file = _slow_write_file
+storage.write_file = format.write_file = _slow_write_file  # the manifest, the fp16 weights, DCP's .metadata
 sys.argv[0] = str(ROOT / "train.py")
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -38,7 +38,7 @@ elif FAULT == "metrics" and HERE:
 
     Metrics.step = _disk_full
 elif FAULT == "setup":
-    import data.run
+    import runtime.board
     from data import prepare
 
     if HERE:  # while it waits for rank 0's packer, after the collective that starts the packing
@@ -46,7 +46,7 @@ elif FAULT == "setup":
             time.sleep(1)
             raise RuntimeError("this rank's set-up failed (injected)")
 
-        data.run.wait_for = _failing_wait
+        runtime.board.wait_for = _failing_wait  # the packing hand-off's wait (runtime.board.hand_off)
     _batches = prepare.batches
 
     def _slow_batches(reader, batch_bytes):

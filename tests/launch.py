@@ -156,7 +156,7 @@ def kill_tree(pid: int, sig: int) -> None:
             pass
 
 
-def wait_for(predicate, timeout: float = 120, every: float = 0.005, proc: subprocess.Popen | None = None) -> None:
+def wait_for(predicate, timeout: float = 120, every: float = 0.02, proc: subprocess.Popen | None = None) -> None:
     import time
 
     end = time.monotonic() + timeout

@@ -166,9 +166,9 @@ def test_a_failed_save_stops_the_run_with_the_path_and_cause_and_keeps_the_previ
     storage.verify(ckpts / "step_00000004")
     # No training on without checkpoints: a sync save fails at step 8; an async one at the first step
     # boundary after its background write failed (step 9 on an idle machine; later when the write is
-    # slower than the steps), and always before the next save (step 12) would be due.
+    # slower than the steps), or at the latest in the next save (step 12), which waits for it first.
     last = launch.metrics(tmp_path)[-1]["step"]
-    assert last == 8 if async_save == "false" else 9 <= last < 12
+    assert last == 8 if async_save == "false" else 9 <= last <= 12
 
 
 def test_the_weights_file_loads_for_inference_and_matches_the_fp32_model_closely(reference12):

@@ -20,8 +20,8 @@ COMPILED = ["dist.reduce=canonical", "train.global_batch=12", "train.compile=tru
 @pytest.mark.e2e
 def test_compiled_runs_on_1_process_and_on_2_halted_then_3_resumed_under_fsdp_are_bit_identical(tmp_path, tiny):
     """One uninterrupted compiled run; the same run halted on 2 processes (ddp) at step 4 and resumed
-    on 3 (fsdp): every loss and the final weights equal. A second one-process launch is the
-    run-to-run check: the same bits again, from the cache's kernels."""
+    on 3 (fsdp): every loss and the final weights equal. Three launches, each compiling (or reading
+    the cache's kernels) on its own: the run-to-run check too."""
     one = launch.run(0, *tiny, *COMPILED, f"out_dir={tmp_path / 'one'}")
     assert "train.compile: the first step took" in one.stderr and "Inductor's deterministic mode on" in one.stderr
     assert "graph break" not in one.stderr and "new graph" not in one.stderr
@@ -29,15 +29,13 @@ def test_compiled_runs_on_1_process_and_on_2_halted_then_3_resumed_under_fsdp_ar
     resumed = launch.run(3, *tiny, *COMPILED, "dist.strategy=fsdp", f"out_dir={tmp_path / 'moved'}")
     assert "resumes at" in resumed.stderr and "train.compile was" not in resumed.stderr
     launch.assert_identical(tmp_path / "moved", tmp_path / "one")
-    launch.run(0, *tiny, *COMPILED, f"out_dir={tmp_path / 'again'}")
-    launch.assert_identical(tmp_path / "again", tmp_path / "one")
     # The same run resumed eagerly is allowed and said: the bits change from there.
     code, err = launch.in_process(*tiny, *COMPILED, "train.compile=false", "train.steps=9", f"out_dir={tmp_path / 'one'}")
     assert code == 0 and "train.compile was True, now False" in err and "not bit-identical" in err, err
 
 
 @pytest.mark.e2e
-def test_a_compiled_chat_run_with_its_block_diagonal_mask_is_bit_identical_on_1_and_3_processes(tmp_path):
+def test_a_compiled_chat_run_with_its_block_diagonal_mask_is_bit_identical_on_1_and_2_processes(tmp_path):
     from test_chat import conversations
 
     corpus = tmp_path / "sft.jsonl"
@@ -47,8 +45,8 @@ def test_a_compiled_chat_run_with_its_block_diagonal_mask_is_bit_identical_on_1_
             "train.warmup_steps=2", "dist.reduce=canonical", "train.compile=true", "runtime.threads=1", "log.progress=false",
             "log.sample_ids=true"]
     launch.run(0, *base, f"out_dir={tmp_path / 'one'}")
-    launch.run(3, *base, f"out_dir={tmp_path / 'three'}")
-    launch.assert_identical(tmp_path / "three", tmp_path / "one")
+    launch.run(2, *base, f"out_dir={tmp_path / 'two'}")
+    launch.assert_identical(tmp_path / "two", tmp_path / "one")
 
 
 @pytest.mark.e2e

@@ -258,7 +258,7 @@ def test_a_peft_folder_for_other_targets_rank_or_shape_is_refused_naming_each_di
     assert code == 2 and "lora_alpha 16 there, train.lora.alpha=8 here" in err, err
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
     # another base shape: the same targets and rank over a wider model
-    code, err = launch.in_process(*base, "model.hidden_dim=96", f"model.init_from=", f"out_dir={tmp_path / 'c'}")
+    code, err = launch.in_process(*base, "model.hidden_dim=96", "model.init_from=", f"out_dir={tmp_path / 'c'}")
     assert code == 2 and "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight is (128, 4), the model's is (96, 4)" in err, err
     for name in "abc":
         assert not (tmp_path / name / "checkpoints").exists()

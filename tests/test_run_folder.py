@@ -128,7 +128,7 @@ def test_sigterm_to_torchrun_or_the_whole_tree_at_any_moment_makes_train_sh_exit
         ("the final save", "tree", launch.SLOW_SAVE, lambda proc: any((out / "checkpoints").glob(".tmp-step_00000020-*/state/.metadata"))),
     ]
     for where, whom, script, ready in stops:
-        proc = launch.start(cmd, tmp_path / f"log-{where}", env={"TRAIN_PY": script, "SLOW_SAVE_S": "2", "SLOW_PACK_S": "2"})
+        proc = launch.start(cmd, tmp_path / f"log-{where}", env={"TRAIN_PY": script, "SLOW_SAVE_S": "1", "SLOW_PACK_S": "1"})
         launch.wait_for(lambda: ready(proc), proc=proc, every=0.02)
         if whom == "tree":
             launch.kill_tree(proc.pid, signal.SIGTERM)
@@ -138,6 +138,8 @@ def test_sigterm_to_torchrun_or_the_whole_tree_at_any_moment_makes_train_sh_exit
         assert proc.wait(timeout=120) == 75, (where, log())
         status = runfolder.read_status(out)
         assert status is None or status["state"] == "stopped", (where, status)
+        if where == "packing":  # no half-written cache is left, nor a cache that would be used
+            assert not any(cache.glob(".*.tmp-*")) and not any(cache.glob("*.bin")), sorted(p.name for p in cache.iterdir())
     assert launch.lines(out / "metrics.jsonl") == 20  # the last stop came inside the save of the last step
     code = subprocess.run(cmd, cwd=launch.ROOT, capture_output=True, text=True, timeout=300)
     assert code.returncode == 0 and "nothing to do: the run is at step 20 of 20" in code.stderr
@@ -211,8 +213,19 @@ def test_the_refusal_of_pickled_code_does_not_suggest_weights_only_false(tmp_pat
     assert "refused without running them" in str(e.value) and "weights_only" not in str(e.value)
 
 
-def run_cli(*args):
-    return subprocess.run([launch.PY, "-m", "checkpoint", *map(str, args)], cwd=launch.ROOT, capture_output=True, text=True, timeout=120)
+def run_cli(*args, in_process: bool = False):
+    """`python -m checkpoint ARGS` as users run it, or its main() in this process (the same code)."""
+    if not in_process:
+        return subprocess.run([launch.PY, "-m", "checkpoint", *map(str, args)], cwd=launch.ROOT, capture_output=True, text=True, timeout=120)
+    import contextlib
+    import io
+
+    from cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(map(str, args)))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path, halted):
@@ -228,12 +241,12 @@ def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path,
 
 def test_compare_tells_an_unreadable_metrics_file_from_runs_that_differ(tmp_path, halted):
     a, b = copy_of(halted, tmp_path / "a"), copy_of(halted, tmp_path / "b")
-    assert run_cli("compare", a, b).returncode == 0
+    assert run_cli("compare", a, b, in_process=True).returncode == 0
     lines = (b / "metrics.jsonl").read_text().splitlines()
     (b / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps({**json.loads(lines[-1]), "loss": 9.0})]) + "\n")
-    assert run_cli("compare", a, b).returncode == 1
+    assert run_cli("compare", a, b, in_process=True).returncode == 1
     (b / "metrics.jsonl").write_text("{not json\n")
-    proc = run_cli("compare", a, b)
+    proc = run_cli("compare", a, b)  # the command itself
     assert proc.returncode == 2 and "metrics.jsonl:1: not a metrics line" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -262,7 +275,8 @@ def catches(pid: int, sig: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("stage", ["before the launch", "waiting for the run folder's lock", "packing the corpus"])
+# A stop while the corpus is packed: test_sigterm_to_torchrun_or_the_whole_tree_at_any_moment (a slowed packer).
+@pytest.mark.parametrize("stage", ["before the launch", "waiting for the run folder's lock"])
 def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_nothing_lost(tmp_path, epochs, stage):
     """A scheduler's SIGTERM in the first seconds must mean "resume me" (75), never "bad input" (2)
     or a death by signal (143): nothing was lost, and no half-written file is left."""
@@ -276,21 +290,13 @@ def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_
             cwd=launch.ROOT, stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"
         args.append("checkpoint.lock_timeout_s=120")
-    if stage == "packing the corpus":
-        big = tmp_path / "big.jsonl"
-        line = json.dumps({"text": "the model saves a checkpoint at every step boundary " * 20}) + "\n"
-        big.write_text(line * 120_000)  # about 125 MB: packing takes seconds
-        args.append(f"data.path={big}")
     proc = launch.start(["bash", "scripts/train.sh", *args], tmp_path / "log")
     try:
         if stage == "before the launch":
             launch.wait_for(lambda: catches(proc.pid, signal.SIGTERM), proc=proc)  # the trap is in place
             os.kill(proc.pid, signal.SIGTERM)  # to the script alone, while it sets up
         else:
-            if stage == "packing the corpus":
-                launch.wait_for(lambda: any(cache.glob(".*.tmp-*")), proc=proc, timeout=120)
-            else:
-                launch.wait_for(lambda: "is held by" in (tmp_path / "log").read_text(), proc=proc, timeout=120)
+            launch.wait_for(lambda: "is held by" in (tmp_path / "log").read_text(), proc=proc, timeout=120)
             launch.kill_tree(proc.pid, signal.SIGTERM)  # as a scheduler does: every process of the job
         assert proc.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
     finally:
@@ -304,5 +310,3 @@ def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_
     else:
         assert "during set-up: nothing to save" in log
         assert not list(out.glob("checkpoints/*")) and not (out / "metrics.jsonl").exists()
-    if stage == "packing the corpus":
-        assert not any(cache.glob(".*.tmp-*")) and not any(cache.glob("*.bin"))  # no half-written cache

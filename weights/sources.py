@@ -78,14 +78,16 @@ def _base_shapes(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return MiniMindLM(cfg).state_dict()
 
 
-def verified_base(cfg: ModelConfig, seed: int, path: str, expected: str, whose: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """`base_weights`, refused unless their model_sha256 is `expected` (the base `whose` adapters were trained over)."""
+def verified_base(cfg: ModelConfig, seed: int, path: str, expected: str, whose: str, key: str = "train.lora",
+                  what: str = "base", names: str = "model.init_from") -> tuple[dict[str, torch.Tensor], dict | None]:
+    """`base_weights`, refused unless their model_sha256 is `expected`: a LoRA run's base, which
+    `whose` adapters were trained over, or (key, what, names) another pinned model's, e.g. DPO's reference."""
     state, record = base_weights(cfg, seed, path)
     got = storage.model_sha256(state)
     if got != expected:
         where = path or f"the seeded init of seed {seed}"
-        raise WeightsError(f"train.lora: the base at {where} has weights sha256 {got}, but {whose} were trained over "
-                           f"sha256 {expected} (model.init_from names the base: give the one they were trained over)")
+        raise WeightsError(f"{key}: the {what} at {where} has weights sha256 {got}, but {whose} were trained over "
+                           f"sha256 {expected} ({names} names the {what}: give the one they were trained over)")
     return state, record
 
 

@@ -1,0 +1,278 @@
+"""Reinforcement learning with verifiable rewards, GRPO and CISPO (docs/rl.md), exact on any world
+size and across resumes.
+
+A step's global batch is `train.global_batch` completions: global_batch / generations prompts,
+each with `generations` completions. A rollout, for each prompt of this rank's micro-batches:
+  - its group generated as one fixed-shape unit (model/generate.py generate_group: the prompt
+    repeated, max_new_tokens positions each, the KV cache), completion r's draws from a generator
+    seeded by derive_seed(seed, STREAM, step, prompt index, r): the same ids whichever rank and
+    world size generates them;
+  - each completion (up to and with its first EOS) scored by the reward, a pure function of the
+    prompt, the completion's text and the line's fields (objectives/rewards.py);
+  - advantages (r - group mean) / (group std + 1e-4) (MiniMind's, the std of the group itself).
+Then `updates_per_rollout` optimizer steps on it: per token, with logp the policy's, old the
+policy's at the rollout (its first update's own forward, detached: the ratio is exactly 1 there),
+ref the frozen reference's and kl = exp(ref - logp) - (ref - logp) - 1 (k3):
+  CISPO: -(min(ratio, eps_high).detach() * A * logp - beta * kl)
+  GRPO:  -(min(ratio * A, clamp(ratio, 1 - eps, 1 + eps) * A) - beta * kl)
+a sequence's loss the mean over its completion tokens, the step's loss the mean over the global
+batch's sequences (each micro-batch adds its sum times M / global_batch; the reducers average).
+With updates_per_rollout > 1 the rollout (tokens, masks, advantages, rewards, old and reference
+log-probabilities) is part of the resume state, gathered from every rank in micro-batch order at a
+save: a run halted inside a rollout's updates resumes them on any world size.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.outcome import attempt
+from common.seeds import derive_seed
+from model.generate import generate_group
+
+from . import rewards as reward_fns
+from .reference import pinned_reference
+
+log = logging.getLogger("minimind")
+STREAM = 0x47525030  # "GRP0": completion r of a prompt draws from derive_seed(seed, STREAM, step, prompt index, r)
+LOSSES = ("cispo", "grpo")
+STATS = ("reward_sum", "reward_sq", "sequences", "kl_sum", "tokens", "clipped", "zero_groups", "groups")
+
+
+@dataclass
+class GRPOConfig:
+    """train.grpo: the RL objective's knobs (train.objective=grpo, data.format=prompts; MiniMind's defaults)."""
+
+    generations: int = 6
+    """Completions per prompt (a group); train.global_batch and train.micro_batch count completions, multiples of it."""
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    """Each completion's length: generated in full (a fixed shape), masked after its first EOS."""
+    beta: float = 0.1
+    """Weight of the k3 KL to the reference (0: no reference, none is read)."""
+    loss: str = "cispo"
+    """cispo (MiniMind's default) | grpo."""
+    eps: float = 0.2
+    """GRPO's clip range: the ratio is clamped to [1 - eps, 1 + eps]."""
+    eps_high: float = 5.0
+    """CISPO's cap on the (detached) ratio."""
+    updates_per_rollout: int = 1
+    """Optimizer steps on each rollout (TRL's num_iterations); > 1 keeps the rollout in the resume state."""
+    reference: str = ""
+    """The reference model: any model.init_from source ('' : model.init_from, the policy's start; the seeded init
+    without one). Pinned by its sha256 in the checkpoint."""
+    reward: str = "answer"
+    """answer (exact match with the line's "answer") | minimind_rules | module:function (or path/file.py:function):
+    called with (prompt, completion, **the line's fields), returning a finite float."""
+
+    def __post_init__(self) -> None:
+        if self.generations < 2:
+            raise ValueError(f"train.grpo.generations must be >= 2 (a group's advantages compare its completions), got {self.generations}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"train.grpo.loss: expected one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.max_new_tokens < 1 or self.updates_per_rollout < 1:
+            raise ValueError("train.grpo.max_new_tokens and train.grpo.updates_per_rollout must be >= 1")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.beta >= 0 and 0 <= self.eps < 1 and self.eps_high > 0):
+            raise ValueError(f"train.grpo: temperature > 0, 0 < top_p <= 1, beta >= 0, 0 <= eps < 1, eps_high > 0 expected, got "
+                             f"{self.temperature}, {self.top_p}, {self.beta}, {self.eps}, {self.eps_high}")
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T-1) log-probabilities of tokens[:, 1:] under logits[:, :-1], fp32."""
+    b, t = tokens.shape
+    return -F.cross_entropy(logits[:, :-1].float().reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), reduction="none").view(b, t - 1)
+
+
+def advantages(rewards: torch.Tensor, generations: int) -> torch.Tensor:
+    """(r - group mean) / (group std + 1e-4), groups of `generations` consecutive completions."""
+    grouped = rewards.view(-1, generations)
+    mean = grouped.mean(1, keepdim=True)
+    std = grouped.std(1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + 1e-4)).view(-1)
+
+
+def per_token_loss(logp, old, ref, adv, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss of CISPO or GRPO (module docstring) and where the ratio was clipped."""
+    ratio = torch.exp(logp - old)
+    a = adv.unsqueeze(1)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1 if ref is not None else torch.zeros_like(logp)
+    if cfg.loss == "cispo":
+        clipped = ratio > cfg.eps_high
+        loss = -(torch.clamp(ratio, max=cfg.eps_high).detach() * a * logp - cfg.beta * kl)
+    else:
+        clipped = ((ratio < 1 - cfg.eps) & (a < 0)) | ((ratio > 1 + cfg.eps) & (a > 0))
+        loss = -(torch.min(ratio * a, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * a) - cfg.beta * kl)
+    return loss, clipped
+
+
+class GRPO:
+    """A micro-batch's RL loss (module docstring); the interface of objectives.NextToken."""
+
+    def __init__(self, dataset, micro_batches: int, global_completions: int, cfg: GRPOConfig, seed: int, tok, rt, model=None) -> None:
+        self.dataset, self.micro_batches, self.global_completions, self.cfg, self.seed = dataset, micro_batches, global_completions, cfg, seed
+        self.tok, self.policy = tok, model
+        self.moe = model if model is not None and model.moe_layers() else None
+        self.reward, self.reward_record = reward_fns.load(cfg.reward)
+        self.reference = None
+        self.buffer: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch index -> its rollout
+        self.rollout_at = -1
+        self.step = 0
+        self.rt = rt
+        self.rollout_s = 0.0
+        self.stats: list[tuple[int, torch.Tensor]] = []
+        self.lengths: list[tuple[int, float]] = []
+
+    # ---------------------------------------------------------------- set-up
+    def start(self, cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes]) -> None:
+        """After the resume's load: the reward's identity pinned (a changed file refused), the reference read and pinned."""
+        from common.outcome import BadInput
+
+        if resumed and meta.reward and meta.reward.get("sha256") != self.reward_record.get("sha256"):
+            raise BadInput(f"train.grpo.reward: {self.reward_record.get('file') or self.reward_record['spec']} has sha256 "
+                           f"{self.reward_record.get('sha256')}, but the steps of {resumed.path} were scored by one of sha256 "
+                           f"{meta.reward.get('sha256')} ({meta.reward.get('spec')})")
+        meta.reward = self.reward_record
+        if self.cfg.beta:
+            self.reference, sha, path = pinned_reference(cfg, rt, meta, resumed, agree, tok_files, self.cfg.reference, "train.grpo.reference")
+            if rt.is_main:
+                log.info("train.grpo: the reference %s (weights sha256 %s)%s", path or "the seeded init", sha[:12], ", verified" if resumed else "")
+        longest, k = self.dataset.longest()
+        if longest + self.cfg.max_new_tokens > cfg.model.seq_len:
+            from common.outcome import BadInput
+
+            raise BadInput(f"train.grpo.max_new_tokens={self.cfg.max_new_tokens}: prompt {k} ({self.dataset.fields(k)['line']}) has "
+                           f"{longest} tokens, and both must fit model.seq_len={cfg.model.seq_len}")
+
+    # ---------------------------------------------------------------- a step
+    def begin_step(self, indices: list[int], step: int = 0) -> None:
+        self.step, self.stats, self.lengths = step, [], []
+        if step % self.cfg.updates_per_rollout == 0:
+            self.buffer, self.rollout_at = {}, step
+
+    def prepare(self, model, micro_batches: list, rt, agree) -> None:
+        """At a rollout step, before any forward: this rank's micro-batches' rollouts (generation,
+        rewards, advantages), agreed by every rank (a reward that fails fails the run everywhere, named)."""
+        self.rollout_s = 0.0
+        if self.rollout_at != self.step:
+            return
+        t0 = time.perf_counter()
+        was = model.training
+        model.eval()
+        failed = attempt(lambda: [self._rollout(model, batch, j * rt.world_size + rt.rank) for j, batch in enumerate(micro_batches)])
+        model.train(was)
+        self.rollout_s = time.perf_counter() - t0
+        agree("the rollout", failed)
+
+    def _rollout(self, model, batch, i: int) -> None:
+        rows, lengths, indices = batch
+        g, seq_len = self.cfg.generations, rows.shape[1]
+        pad, eos = self.tok.pad, self.tok.eos
+        tokens, masks, scores = [], [], []
+        for row, n, index in zip(rows, lengths.tolist(), indices.tolist()):
+            prompt = row[:n].tolist()
+            gens = [torch.Generator().manual_seed(derive_seed(self.seed, STREAM, self.step, index, r)) for r in range(g)]
+            completions = generate_group(model, prompt, gens, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p)
+            fields = self.dataset.fields(index)
+            for c in completions.tolist():
+                end = c.index(eos) + 1 if eos in c else len(c)  # through the first EOS
+                seq = torch.full((seq_len,), pad, dtype=torch.long)
+                seq[:n], seq[n:n + end] = torch.tensor(prompt), torch.tensor(c[:end])
+                mask = torch.zeros(seq_len - 1, dtype=torch.bool)
+                mask[n - 1:n - 1 + end] = True  # the targets that are completion tokens
+                tokens.append(seq)
+                masks.append(mask)
+                text = self.tok.decode([t for t in c[:end] if t != eos])
+                scores.append(reward_fns.score(self.reward, fields["prompt"], text, fields, index, fields["line"]))
+        r = torch.tensor(scores, dtype=torch.float32)
+        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g)}
+
+    def loss(self, net, batch, device, i: int = 0) -> torch.Tensor:
+        ro = self.buffer[i]
+        x, mask, adv = ro["tokens"].to(device), ro["mask"].to(device), ro["advantages"].to(device)
+        logp = token_logps(net(x)[0], x)
+        if "old" not in ro:  # the rollout's first update: the old and reference log-probabilities are this forward's
+            ro["old"] = logp.detach().cpu()
+            if self.reference is not None:
+                with torch.no_grad():
+                    ro["ref"] = token_logps(self.reference(x)[0], x).cpu()
+        old = ro["old"].to(device)
+        ref = ro["ref"].to(device) if "ref" in ro else None
+        per_token, clipped = per_token_loss(logp, old, ref, adv, self.cfg)
+        m = mask.float()
+        seq_loss = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
+        loss = seq_loss.sum() * self.micro_batches / self.global_completions
+        with torch.no_grad():
+            r = ro["rewards"].double()
+            kl = (torch.exp(ref - logp) - (ref - logp) - 1) if ref is not None else torch.zeros_like(logp)
+            groups = adv.view(-1, self.cfg.generations)
+            row = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(len(r)), dtype=torch.float64),
+                               (kl * m).sum().double().cpu(), m.sum().double().cpu(), (clipped & mask).sum().double().cpu(),
+                               (groups == 0).all(1).sum().double().cpu(), torch.tensor(float(groups.shape[0]), dtype=torch.float64)])
+            self.stats.append((i, row))
+        if self.moe is not None:
+            loss = loss + self.moe.aux_loss()
+        return loss
+
+    def step_metrics(self, rt) -> dict:
+        """The step's rollout figures, summed in micro-batch order over every rank: the same bits on any world size."""
+        rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
+        t = dict(zip(STATS, (sum(col) for col in zip(*(row for _, row in rows)))))
+        n, tokens = t["sequences"], max(t["tokens"], 1.0)
+        mean = t["reward_sum"] / n
+        return {"reward/mean": mean, "reward/std": math.sqrt(max(t["reward_sq"] / n - mean * mean, 0.0)), "kl": t["kl_sum"] / tokens,
+                "completion_length": t["tokens"] / n, "clip_fraction": t["clipped"] / tokens,
+                "zero_advantage_groups": t["zero_groups"] / t["groups"], "rollout_s": round(self.rollout_s, 5)}
+
+    # ---------------------------------------------------------------- the resume state (updates_per_rollout > 1)
+    def states(self) -> dict:
+        """The rollout under update, when a rollout serves several steps (else nothing)."""
+        return {"rollout": RolloutState(self, self.rt)} if self.cfg.updates_per_rollout > 1 else {}
+
+
+class RolloutState:
+    """The rollout being updated, for the checkpoint: every rank's micro-batches gathered in
+    micro-batch order (the same state on every rank: any world size reads it back)."""
+
+    KEYS = ("tokens", "mask", "rewards", "advantages", "old", "ref")
+
+    def __init__(self, grpo: GRPO, rt) -> None:
+        self.grpo, self.rt = grpo, rt
+
+    def _template(self) -> dict:
+        """The state's shape, for a resume to load into: M micro-batches of rows, each seq_len tokens."""
+        g = self.grpo
+        rows, t = g.global_completions, g.dataset.seq_len
+        out = {"at": torch.tensor(-1), "micro_batches": torch.arange(g.micro_batches), "tokens": torch.zeros(rows, t, dtype=torch.long),
+               "mask": torch.zeros(rows, t - 1, dtype=torch.bool), "rewards": torch.zeros(rows), "advantages": torch.zeros(rows),
+               "old": torch.zeros(rows, t - 1)}
+        if g.cfg.beta:
+            out["ref"] = torch.zeros(rows, t - 1)
+        return out
+
+    def state_dict(self) -> dict:
+        mine = {i: {k: v for k, v in ro.items()} for i, ro in self.grpo.buffer.items()}
+        merged: dict[int, dict] = {}
+        for part in self.rt.all_gather(mine):  # a collective: every rank saves together
+            merged.update(part)
+        if len(merged) != self.grpo.micro_batches or any("old" not in ro for ro in merged.values()):
+            return self._template()  # a fresh process (a resume's template), or no rollout under update
+        out = {"at": torch.tensor(self.grpo.rollout_at), "micro_batches": torch.tensor(sorted(merged), dtype=torch.long)}
+        for k in self.KEYS:
+            if k in merged[0]:
+                out[k] = torch.cat([merged[i][k] for i in sorted(merged)])
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        order = state["micro_batches"].tolist()
+        self.grpo.rollout_at = int(state["at"])
+        if self.grpo.rollout_at < 0:
+            self.grpo.buffer = {}
+            return
+        per = len(state["tokens"]) // len(order)
+        self.grpo.buffer = {i: {k: state[k][j * per:(j + 1) * per].clone() for k in self.KEYS if k in state} for j, i in enumerate(order)}

@@ -1,0 +1,111 @@
+"""Rewards for reinforcement learning, as pure functions of (prompt, completion, the line's fields)
+(docs/rl.md): the built-in verifiable and rule rewards, and a user's own `module:function`, whose
+file's sha256 a checkpoint records (a changed one is refused on resume)."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+from common.outcome import BadInput, Failed
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_answer(completion: str) -> str:
+    """The answer part of a completion: after its last `</think>`, stripped."""
+    return completion.rsplit("</think>", 1)[-1].strip()
+
+
+def answer(prompt: str, completion: str, answer: str | None = None, **fields) -> float:
+    """Exact-answer match: 1.0 when the completion's answer (after `</think>`, stripped, a trailing
+    period dropped) is the line's `answer`, else 0."""
+    if answer is None:
+        raise ValueError("the reward 'answer' needs an \"answer\" field on every prompt line")
+    return 1.0 if final_answer(completion).rstrip(".").strip() == str(answer).strip() else 0.0
+
+
+def answer_partial(prompt: str, completion: str, answer: str | None = None, **fields) -> float:
+    """`answer` with partial credit, for a small model that does not write numbers yet (the
+    built-in task's recipe): 1.0 for the exact answer, 0.5 when the answer is among the numbers in
+    the completion, 0.1 when the completion holds a digit at all, else 0."""
+    exact = globals()["answer"](prompt, completion, answer, **fields)
+    if exact:
+        return exact
+    if str(answer).strip() in _NUMBER.findall(completion):
+        return 0.5
+    return 0.1 if any(c.isdigit() for c in completion) else 0.0
+
+
+def rep_penalty(text: str, n: int = 3, cap: float = 0.5) -> float:
+    """MiniMind's trigram repetition penalty: the share of repeated word trigrams, scaled, capped."""
+    toks = re.findall(r"\w+|[^\w\s]", text.lower())
+    grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+    return min(cap, (len(grams) - len(set(grams))) * cap * 2 / len(grams)) if grams else 0.0
+
+
+def minimind_rules(prompt: str, completion: str, **fields) -> float:
+    """MiniMind's rule rewards (trainer/train_grpo.py, without its reward model): +0.5 for a
+    completion of 20 to 800 characters (else -0.5); with a `</think>`, +1.0 for 20 to 300
+    characters of thinking (else -0.5) and +0.25 for exactly one closing tag (else -0.25); minus
+    the answer's trigram repetition penalty."""
+    reward = 0.5 if 20 <= len(completion.strip()) <= 800 else -0.5
+    final = completion
+    if "</think>" in completion:
+        thinking, final = completion.split("</think>", 1)
+        reward += 1.0 if 20 <= len(thinking.strip()) <= 300 else -0.5
+        reward += 0.25 if completion.count("</think>") == 1 else -0.25
+        final = final.strip()
+    return reward - rep_penalty(final)
+
+
+BUILTIN = {"answer": answer, "answer_partial": answer_partial, "minimind_rules": minimind_rules}
+
+
+def load(spec: str) -> tuple[Callable, dict]:
+    """train.grpo.reward: a built-in name, or `module:function` / `path/to/file.py:function` (a
+    user's, imported once). Returns (the function, its record: spec and, for a user's, its file's
+    sha256). BadInput naming the key when it cannot be imported or is not a function."""
+    if spec in BUILTIN:
+        return BUILTIN[spec], {"spec": spec}
+    if ":" not in spec:
+        raise BadInput(f"train.grpo.reward: {spec!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor module:function")
+    module_name, _, name = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise BadInput(f"train.grpo.reward: {module_name} does not exist")
+            loader = importlib.util.spec_from_file_location(f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")
+            module = importlib.import_module(module_name)
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's module: whatever it raises, it does not import
+        raise BadInput(f"train.grpo.reward: {module_name} does not import ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise BadInput(f"train.grpo.reward: {module_name} has no function {name!r}")
+    source = getattr(module, "__file__", None)
+    sha = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else None
+    return fn, {"spec": spec, "file": source, "sha256": sha}
+
+
+def score(fn: Callable, prompt: str, completion: str, fields: dict, index: int, where: str) -> float:
+    """`fn`'s reward for one completion, a finite float; Failed naming the prompt when it raises or returns another."""
+    try:
+        value = fn(prompt, completion, **{k: v for k, v in fields.items() if k not in ("prompt", "line")})
+    except Exception as e:  # noqa: BLE001 - the user's code: its failure ends the run, named
+        raise Failed(f"train.grpo.reward raised on prompt {index} ({where}): {type(e).__name__}: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise Failed(f"train.grpo.reward returned {value!r} for prompt {index} ({where}): expected a finite number")
+    return float(value)
