@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import train  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager, ModelState, OptimizerState, RunMeta, storage  # noqa: E402
-from checkpoint.files import fsync_path  # noqa: E402
+from common.files import fsync_path  # noqa: E402
 from configs import load_config, to_dict  # noqa: E402
 from data import BatchPlan, BlockDistributedSampler, PackedDataset, SkipBatchSampler, pack, resolve_source  # noqa: E402
 from model import MiniMindLM, ModelConfig  # noqa: E402
