@@ -1,6 +1,6 @@
 """Deliberate breaks of the core promises, one at a time, each caught by a test (docs/design.md I21).
 
-    bash scripts/mutants.sh [--list] [--only NAME ...] [--no-baseline]
+    bash scripts/mutants.sh [--list | --markdown] [--only NAME ...] [--no-baseline]
 
 The repository is copied (tracked and untracked, not ignored, files) into a temporary folder.
 First the tests named below run there unmutated: they must pass, or a "caught" would mean nothing.
@@ -286,6 +286,7 @@ def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | No
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    parser.add_argument("--markdown", action="store_true", help="print the mutants as docs/tests.md's table, run nothing")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (a hang counts as not caught)")
@@ -298,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.list:
         for m in chosen:
             print(f"{m.name:28} {m.file:24} {m.promise}\n{'':28} tests: {', '.join(m.tests)}")
+        return 0
+    if a.markdown:
+        print("| mutant | file | the promise it breaks | caught by |\n|---|---|---|---|")
+        for m in chosen:
+            tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
+            print(f"| `{m.name}` | `{m.file}` | {m.promise.replace('|', '/')} | {tests} |")
         return 0
 
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:

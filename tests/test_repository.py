@@ -2,6 +2,7 @@
 scripts name exists in this repository, and every relative link in a Markdown page leads to a file."""
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,35 @@ def test_every_invariant_cited_is_defined_in_docs_design_md():
     assert cited, "no citation found: the pattern is broken"
     undefined = sorted({f"I{n}" for n in cited} - defined)
     assert not undefined, f"cited but not defined in docs/design.md: {undefined}"
+
+
+def test_docs_tests_md_lists_every_mutant_as_the_script_prints_it():
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
+    mutants = importlib.util.module_from_spec(spec)
+    sys.modules["mutants"] = mutants  # its dataclass looks its module up there
+    spec.loader.exec_module(mutants)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mutants.main(["--markdown"]) == 0
+    page = (ROOT / "docs" / "tests.md").read_text()
+    stale = [line for line in out.getvalue().splitlines() if line not in page]
+    assert not stale, f"docs/tests.md's mutant table is not `python scripts/mutants.py --markdown`'s output: {stale[:3]}"
+
+
+def test_every_section_that_code_or_docs_cite_by_name_exists():
+    """A cited section (the page, a comma, the name in double quotes) is a heading `## Name` or a paragraph
+    that opens with `**Name.**`."""
+    missing = []
+    for path in repository_files():
+        for page, name in re.findall(r'docs/(\w+)\.md, "([^"]+)"', path.read_text(errors="replace")):
+            text = (ROOT / "docs" / f"{page}.md").read_text() if (ROOT / "docs" / f"{page}.md").exists() else ""
+            if not re.search(rf"^#+ {re.escape(name)}\s*$|^\*\*{re.escape(name)}\.?\*\*", text, flags=re.M):
+                missing.append(f"{path.relative_to(ROOT)}: docs/{page}.md, \"{name}\"")
+    assert not missing, f"cited sections that do not exist: {sorted(set(missing))}"
 
 
 def test_every_relative_link_in_a_markdown_page_leads_to_a_file():
