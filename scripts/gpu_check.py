@@ -1,4 +1,5 @@
-"""The GPU check behind scripts/gpu_check.sh: exact resume on CUDA, throughput and MFU, save stalls.
+"""The GPU check behind scripts/gpu_check.sh: exact resume on CUDA (eager, FSDP, compiled), throughput
+and MFU eager and compiled, save stalls.
 
 Uses only what the GPU machine has (torch with CUDA, numpy, pyyaml, tqdm); prints one
 markdown table and writes gpu_check.json into $OUT (or runs/gpu_check). `--cpu-dry-run` runs the
@@ -39,38 +40,40 @@ def launch(nproc: int, args: list[str], log: Path, timeout: int = 300) -> tuple[
 
 
 def final(run: Path) -> tuple[str | None, list[float]]:
-    from checkpoint.__main__ import inspect_path
+    from cli import inspect_path
+    from run import folder
 
     try:
         sha = inspect_path(run)["model_sha256"]
     except Exception:  # noqa: BLE001 - reported as a failed row
         sha = None
-    from checkpoint import runfolder
-
-    losses = [m["loss"] for m in runfolder.read_metrics(run)] if (run / runfolder.METRICS).exists() else []
+    losses = [m["loss"] for m in folder.read_metrics(run)] if (run / folder.METRICS).exists() else []
     return sha, losses
+
+
+def halt_resume(work: Path, name: str, args: list[str], steps: int, first: int, then: int, what: str) -> dict:
+    """`steps` at once on `then` processes against `steps // 2` on `first` and the rest on `then`."""
+    ref, run = work / f"ref-{name}", work / f"run-{name}"
+    t0 = time.time()
+    codes = [launch(then, [*args, f"train.steps={steps}", f"out_dir={ref}"], work / "launches.log")[0],
+             launch(first, [*args, f"train.steps={steps}", f"train.halt_at={steps // 2}", f"out_dir={run}"], work / "launches.log")[0],
+             launch(then, [*args, f"train.steps={steps}", f"out_dir={run}"], work / "launches.log")[0]]
+    (sa, la), (sb, lb) = final(ref), final(run)
+    ok = codes == [0, 0, 0] and sa is not None and sa == sb and la == lb and len(la) == steps
+    return {"check": f"{what}: {steps} steps on {then} vs {steps // 2} on {first} + {steps // 2} on {then}",
+            "result": "bit-identical" if ok else f"DIFFERENT (exit codes {codes})",
+            "detail": f"sha256 {str(sa)[:12]}… vs {str(sb)[:12]}…, {len(lb)} losses equal: {la == lb}",
+            "ok": ok, "seconds": round(time.time() - t0, 1)}
 
 
 def exactness(work: Path, base: list[str], steps: int, device: str) -> list[dict]:
     rows = []
-    nprocs = [1, 2]
     for dtype in ("float32", "bfloat16"):
-        for nproc in nprocs:
+        for nproc in (1, 2):
             # nccl refuses two ranks on one GPU: two processes sharing it talk over gloo, with CUDA tensors.
             backend = "nccl" if device == "cuda" and nproc <= torch.cuda.device_count() else "gloo"
-            args = [*base, f"train.dtype={dtype}", f"dist.backend={backend}", f"train.steps={steps}"]
-            name = f"{dtype}-{nproc}"
-            ref, run = work / f"ref-{name}", work / f"run-{name}"
-            t0 = time.time()
-            codes = [launch(nproc, [*args, f"out_dir={ref}"], work / "launches.log")[0],
-                     launch(nproc, [*args, f"train.halt_at={steps // 2}", f"out_dir={run}"], work / "launches.log")[0],
-                     launch(nproc, [*args, f"out_dir={run}"], work / "launches.log")[0]]
-            (sa, la), (sb, lb) = final(ref), final(run)
-            ok = codes == [0, 0, 0] and sa is not None and sa == sb and la == lb and len(la) == steps
-            rows.append({"check": f"{steps} steps vs {steps // 2}+{steps // 2}, {dtype}, {nproc} process(es) ({backend})",
-                         "result": "bit-identical" if ok else f"DIFFERENT (exit codes {codes})",
-                         "detail": f"sha256 {str(sa)[:12]}… vs {str(sb)[:12]}…, {len(lb)} losses equal: {la == lb}",
-                         "ok": ok, "seconds": round(time.time() - t0, 1)})
+            rows.append(halt_resume(work, f"{dtype}-{nproc}", [*base, f"train.dtype={dtype}", f"dist.backend={backend}"],
+                                    steps, nproc, nproc, f"{dtype} ({backend})"))
     return rows
 
 
@@ -81,25 +84,23 @@ def fsdp_exactness(work: Path, base: list[str], steps: int, device: str) -> list
     rows = []
     gpus = torch.cuda.device_count() if device == "cuda" else 2
     backend = "nccl" if device == "cuda" else "gloo"
-    args = [*base, "dist.strategy=fsdp", "train.dtype=bfloat16", f"dist.backend={backend}", f"train.steps={steps}",
-            "checkpoint.interval=0"]
+    args = [*base, "dist.strategy=fsdp", "train.dtype=bfloat16", f"dist.backend={backend}", "checkpoint.interval=0"]
     plans = [("ddp", 1, 1)] + ([("canonical", 2, 1)] if gpus >= 2 else [])
-    for reduce, first, then in plans:
-        name = f"fsdp-{reduce}-{first}-{then}"
-        ref, run = work / f"ref-{name}", work / f"run-{name}"
-        a = [*args, f"dist.reduce={reduce}"]
-        t0 = time.time()
-        codes = [launch(then, [*a, f"out_dir={ref}"], work / "launches.log")[0],
-                 launch(first, [*a, f"train.halt_at={steps // 2}", f"out_dir={run}"], work / "launches.log")[0],
-                 launch(then, [*a, f"out_dir={run}"], work / "launches.log")[0]]
-        (sa, la), (sb, lb) = final(ref), final(run)
-        ok = codes == [0, 0, 0] and sa is not None and sa == sb and la == lb and len(la) == steps
-        rows.append({"check": f"fsdp, bfloat16, dist.reduce={reduce}: {steps} steps on {then} vs {steps // 2} on {first} + "
-                              f"{steps // 2} on {then} ({backend})",
-                     "result": "bit-identical" if ok else f"DIFFERENT (exit codes {codes})",
-                     "detail": f"sha256 {str(sa)[:12]}… vs {str(sb)[:12]}…, {len(lb)} losses equal: {la == lb}",
-                     "ok": ok, "seconds": round(time.time() - t0, 1)})
-    return rows
+    return [halt_resume(work, f"fsdp-{reduce}-{first}-{then}", [*args, f"dist.reduce={reduce}"], steps, first, then,
+                        f"fsdp, bfloat16, dist.reduce={reduce} ({backend})") for reduce, first, then in plans]
+
+
+def compiled_exactness(work: Path, base: list[str], steps: int, device: str) -> list[dict]:
+    """train.compile=true under dist.reduce=canonical in float32: halted on 2 processes (two GPUs, or
+    two processes sharing one over gloo) and resumed on 1, against the 1-process compiled run; and the
+    MoE shape under FSDP, compiled, halted and resumed on one process."""
+    two = "nccl" if device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+    args = [*base, "train.compile=true", "dist.reduce=canonical", "train.dtype=float32", "checkpoint.interval=0"]
+    moe = ["model.moe.experts=4", "model.moe.top_k=1", "model.qk_norm=true", "dist.strategy=fsdp"]
+    return [halt_resume(work, "compiled-2-1", [*args, f"dist.backend={two}"], steps, 2, 1,
+                        f"compiled, float32, dist.reduce=canonical ({two} on 2)"),
+            halt_resume(work, "compiled-moe-fsdp", [*args, *moe, f"dist.backend={'nccl' if device == 'cuda' else 'gloo'}"], steps, 1, 1,
+                        "compiled MoE (4 experts, top-1) under fsdp, float32, canonical")]
 
 
 STALL_AIM = 0.2
@@ -116,25 +117,32 @@ def flops_per_token(cfg) -> float:
 
 
 def throughput(work: Path, base: list[str], steps: int, device: str) -> list[dict]:
+    """Tokens/s and MFU of the MiniMind2-small shape in bf16 on one process, eager and compiled (a
+    report: no aim, so no verdict; the compiled/eager ratio is the row bench.py aims at on the CPU)."""
     from configs import load_config
+    from run import folder
 
-    out = work / "throughput"
-    code, _ = launch(1, [*base, "train.dtype=bfloat16", "runtime.deterministic=false", f"train.steps={steps}",
-                         "checkpoint.interval=0", f"out_dir={out}"], work / "launches.log")
-    if code != 0:
-        return [{"check": "throughput", "result": f"FAILED (exit {code})", "detail": "see launches.log", "ok": False}]
-    from checkpoint import runfolder
-
-    rows = runfolder.read_metrics(out)[3:]
-    tps = statistics.median(r["tokens_per_s"] for r in rows)
     cfg = load_config(ROOT / "configs" / "minimind2_small.yaml", [a for a in base if a.startswith("model.")]).model
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     peak = float(os.environ.get("GPU_PEAK_TFLOPS", 0)) or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    achieved = tps * flops_per_token(cfg)
-    mfu = achieved / (peak * 1e12) if peak else float("nan")
-    return [{"check": f"MiniMind2-small shape, bf16, 1 process, {name}", "result": f"{tps:,.0f} tokens/s",
-             "detail": f"{achieved / 1e12:.1f} TFLOP/s = MFU {mfu:.1%} of {peak} TFLOP/s (bf16 dense)" if peak else f"{achieved / 1e12:.2f} TFLOP/s (peak unknown: set GPU_PEAK_TFLOPS)",
-             "ok": None, "tokens_per_s": tps, "mfu": mfu}]  # a report: no aim, no verdict
+    rows, found = [], {}
+    for mode in ("false", "true"):
+        out = work / f"throughput-compile-{mode}"
+        code, _ = launch(1, [*base, "train.dtype=bfloat16", "runtime.deterministic=false", f"train.steps={steps}",
+                             f"train.compile={mode}", "checkpoint.interval=0", f"out_dir={out}"], work / "launches.log")
+        if code != 0:
+            return [{"check": f"throughput, compile={mode}", "result": f"FAILED (exit {code})", "detail": "see launches.log", "ok": False}]
+        tps = found[mode] = statistics.median(r["tokens_per_s"] for r in folder.read_metrics(out)[3:])
+        achieved = tps * flops_per_token(cfg)
+        mfu = achieved / (peak * 1e12) if peak else float("nan")
+        rows.append({"check": f"MiniMind2-small shape, bf16, 1 process, {'compiled' if mode == 'true' else 'eager'}, {name}",
+                     "result": f"{tps:,.0f} tokens/s",
+                     "detail": f"{achieved / 1e12:.1f} TFLOP/s = MFU {mfu:.1%} of {peak} TFLOP/s (bf16 dense)" if peak
+                     else f"{achieved / 1e12:.2f} TFLOP/s (peak unknown: set GPU_PEAK_TFLOPS)",
+                     "ok": None, "tokens_per_s": tps, "mfu": mfu})
+    rows.append({"check": "compiled / eager tokens per second", "result": f"{found['true'] / found['false']:.2f}",
+                 "detail": "steps 4 on (the first compiles)", "ok": None, "ratio": found["true"] / found["false"]})
+    return rows
 
 
 def stalls(work: Path, base: list[str], steps: int, aimed: bool) -> list[dict]:
@@ -177,6 +185,7 @@ def main() -> int:
         small += shrink
     rows = exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 60, device)
     rows += fsdp_exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 40, device)
+    rows += compiled_exactness(work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 20, device)
     rows += throughput(work, small, 8 if a.cpu_dry_run else 40, device)
     rows += stalls(work, small, 8 if a.cpu_dry_run else 20, aimed=not a.cpu_dry_run)
     info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -41,12 +41,12 @@ MUTANTS = (
     Mutant("rng-not-restored", "every rank's global RNG state is restored on resume (I6)",
            "checkpoint/manager.py", "            rng.restore_blob(target[\"rng\"][str(self.comm.rank)], self.comm.device)\n", "            pass\n",
            ("tests/test_checkpoint_manager.py::test_load_restores_the_global_generators_each_rank_had_at_the_save",)),
-    Mutant("optimizer-not-restored", "the optimizer state is restored on resume",
+    Mutant("optimizer-not-restored", "the optimizer state is restored on resume (I23)",
            "checkpoint/manager.py", "                obj.load_state_dict(target[name])\n",
            "                obj.load_state_dict(target[name]) if name != 'optimizer' else None\n",
            ("tests/test_checkpoint_manager.py::test_load_restores_the_optimizers_state_and_param_groups_exactly",
             "tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one")),
-    Mutant("skip-off-by-one", "a resume skips exactly what the epoch consumed (I4)",
+    Mutant("skip-off-by-one", "a resume skips exactly what the epoch consumed (I2, I4)",
            "data/loader.py", "SkipBatchSampler(sampler, first * plan.accum)", "SkipBatchSampler(sampler, first * plan.accum + (1 if first else 0))",
            ("tests/test_resume_e2e.py::test_a_run_halted_twice_in_process_equals_the_uninterrupted_one",)),
     Mutant("epoch-seed-without-epoch", "epoch e's order is randperm seeded with seed + e (I1)",
@@ -86,17 +86,17 @@ MUTANTS = (
     Mutant("stop-not-agreed", "a stop is decided by every rank's vote, not the local flag (I9)",
            "run/protocol.py", "        return stops > 0\n", "        return stop\n",
            ("tests/test_protocol.py::test_a_boundary_raises_the_other_ranks_failure_on_this_rank_and_a_stop_vote_stops_both",)),
-    Mutant("failure-not-agreed", "a rank's failure is raised on every rank at the boundary (I9)",
+    Mutant("failure-not-agreed", "a rank's failure is raised on every rank at the boundary (I9, I24)",
            "run/protocol.py", "        if failures:\n            self.agree", "        if error is not None:\n            self.agree",
            ("tests/test_protocol.py::test_a_boundary_raises_the_other_ranks_failure_on_this_rank_and_a_stop_vote_stops_both",)),
-    Mutant("pack-failure-not-agreed", "a packer's failure fails every rank, naming it (I22)",
+    Mutant("pack-failure-not-agreed", "a packer's failure fails every rank, naming it (I22, I24)",
            "data/run.py", "    for r, outcome in outcomes.items():\n        if \"error\" in outcome:",
            "    for r, outcome in outcomes.items():\n        if \"error\" in outcome and r == rt.rank:",
            ("tests/test_protocol.py::test_a_corpus_that_fails_to_tokenize_on_the_packer_ends_every_rank_with_2_naming_the_file_and_line",)),
-    Mutant("exit-code-table-changed", "one table decides every exit code (I16)",
+    Mutant("exit-code-table-changed", "one table decides every exit code (I16, I24)",
            "common/outcome.py", '    "stopped": 75,', '    "stopped": 1,',
            ("tests/test_protocol.py::test_one_function_maps_every_ending_to_its_code",)),
-    Mutant("scaler-not-saved", "the float16 GradScaler's state is part of the checkpoint",
+    Mutant("scaler-not-saved", "the float16 GradScaler's state is part of the checkpoint (I23)",
            "train.py", '**({"scaler": self.scaler} if self.scaler else {})', "**{}",
            ("tests/test_dtypes_and_devices.py::test_mixed_precision_resumes_bit_identically_with_the_scalers_state",)),
     Mutant("corpus-not-compared", "a resume under another corpus is refused (I20)",
@@ -150,14 +150,14 @@ MUTANTS = (
     Mutant("mask-from-the-opener", "the loss starts after <bos>assistant\\n, not at it (I17)",
            "data/chat.py", "        start = at + len(opener)\n", "        start = at\n",
            ("tests/test_chat.py::test_only_assistant_turns_teach_from_after_the_opener_through_im_end_and_its_newline",)),
-    Mutant("cross-talk", "packed conversations do not attend to each other (docs/sft.md)",
+    Mutant("cross-talk", "packed conversations do not attend to each other (docs/sft.md) (I18)",
            "model/model.py", "mask = ((seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal).unsqueeze(1)",
            "mask = causal.expand(seg.shape[0], t, t).unsqueeze(1)",
            ("tests/test_chat.py::test_a_conversations_logits_inside_a_pack_equal_its_logits_alone",)),
     Mutant("html-escaping-tojson", "templates render as transformers renders them (I18)",
            "data/chat.py", '    env.filters["tojson"] = tojson\n', "",
            ("tests/test_chat.py::test_the_ids_are_transformers_apply_chat_template_tokenized_with_minimind_and_a_trained_tokenizer",)),
-    Mutant("system-prompt-unseeded", "the system-prompt draw is a pure function of (seed, index)",
+    Mutant("system-prompt-unseeded", "the system-prompt draw is a pure function of (seed, index) (I6)",
            "data/chat.py", "rnd = random.Random(derive_seed(opts.seed, SYSTEM_STREAM, index))", "rnd = random.Random()",
            ("tests/test_chat.py::test_a_system_prompt_is_added_to_the_given_ratio_as_a_pure_function_of_seed_and_index",)),
     Mutant("fsdp-sum-out-of-order", "under fsdp + canonical, micro-batch gradients are summed in micro-batch order (I19)",
@@ -167,7 +167,7 @@ MUTANTS = (
            "runtime/sharding.py", "        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)",
            "        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)",
            ("tests/test_sharding.py::test_a_run_that_moves_from_ddp_to_fsdp_and_back_on_other_world_sizes_is_the_uninterrupted_run_bit_for_bit",)),
-    Mutant("shard-not-listed", "every rank's state file is in the one manifest (I19)",
+    Mutant("shard-not-listed", "every rank's state file is in the one manifest (I19, I23)",
            "checkpoint/format.py", "            for part in results:\n                entries.update", "            for part in results[:1]:\n                entries.update",
            ("tests/test_sharding.py::test_a_run_that_moves_from_ddp_to_fsdp_and_back_on_other_world_sizes_is_the_uninterrupted_run_bit_for_bit",)),
     Mutant("unlisted-files-accepted", "a file the manifest does not list makes its checkpoint not verify (I13, I19)",
@@ -200,7 +200,7 @@ MUTANTS = (
            "objectives/next_token.py",
            "    model.eval()\n", "",
            ("tests/test_watching.py::test_evaluating_changes_no_training_bit_and_logs_val_loss_at_its_steps",)),
-    Mutant("moe-aux-loss-dropped", "an MoE micro-batch's loss holds MiniMind's load-balancing loss (docs/models.md)",
+    Mutant("moe-aux-loss-dropped", "an MoE micro-batch's loss holds MiniMind's load-balancing loss (docs/models.md) (I25)",
            "objectives/next_token.py", "            loss = loss + aux\n", "            loss = loss\n",
            ("tests/test_models.py::test_the_objectives_loss_holds_the_load_balancing_loss_of_each_micro_batch",)),
     Mutant("moe-top-k-not-renormalized", "the chosen experts' probabilities are renormalized (norm_topk_prob)",
@@ -210,14 +210,14 @@ MUTANTS = (
            "model/model.py", "        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n",
            "        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n        if self.qk_norm:\n            q, k = self.q_norm(q), self.k_norm(k)\n",
            ("tests/test_models.py::test_a_minimind_3_pth_loads_through_init_from_and_gives_minimind_s_own_logits",)),
-    Mutant("compile-deterministic-dropped", "compiled kernels are Inductor's deterministic ones, after every frame (performance.md)",
+    Mutant("compile-deterministic-dropped", "compiled kernels are Inductor's deterministic ones, after every frame (performance.md) (I26)",
            "runtime/speed.py", "    torch.use_deterministic_algorithms(True, warn_only=not deterministic)\n", "",
            ("tests/test_compile.py::test_compiled_runs_on_1_process_and_on_2_halted_then_3_resumed_under_fsdp_are_bit_identical",)),
-    Mutant("compile-shape-not-in-key", "a compiled graph is one shape's: another shape compiles anew, and is warned",
+    Mutant("compile-shape-not-in-key", "a compiled graph is one shape's: another shape compiles anew, and is warned (I26)",
            "runtime/speed.py", "torch.compile(block.forward, backend=BACKEND, dynamic=False)",
            "torch.compile(block.forward, backend=BACKEND, dynamic=True)",
            ("tests/test_compile.py::test_a_graph_break_and_a_recompile_after_the_first_step_are_warned",)),
-    Mutant("checkpointing-rng-not-preserved", "a recomputed block draws the dropout masks of its forward again (bit-identical)",
+    Mutant("checkpointing-rng-not-preserved", "a recomputed block draws the dropout masks of its forward again (bit-identical) (I6)",
            "model/model.py", "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False)",
            "checkpoint(self._forward, x, cos, sin, cache, mask, use_reentrant=False, preserve_rng_state=False)",
            ("tests/test_compile.py::test_activation_checkpointing_full_and_every_2_are_bit_identical_to_none_with_dropout",)),
@@ -227,24 +227,24 @@ MUTANTS = (
     Mutant("lora-scale-dropped", "the update is scaled by alpha / rank, as PEFT scales it",
            "model/lora.py", "self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scale", "self.lora_B(self.lora_A(self.lora_dropout(x)))",
            ("tests/test_lora.py::test_peft_reads_our_adapter_over_our_hf_export_of_the_base_and_gives_our_logits",)),
-    Mutant("lora-base-trainable", "the base is frozen: no gradient, no optimizer state, not in the checkpoint",
+    Mutant("lora-base-trainable", "the base is frozen: no gradient, no optimizer state, not in the checkpoint (I27)",
            "model/lora.py", "        p.requires_grad_(False)\n", "        pass\n",
            ("tests/test_lora.py::test_fresh_adapters_leave_the_base_model_as_it_was_and_train_alone",)),
-    Mutant("dpo-mean-not-sum", "a side's log-probability is the sum over its taught tokens (TRL's, MiniMind's), not their mean",
+    Mutant("dpo-mean-not-sum", "a side's log-probability is the sum over its taught tokens (TRL's, MiniMind's), not their mean (I28)",
            "objectives/dpo.py", "    return (lp.unsqueeze(-1) * onehot).sum(1)\n",
            "    return (lp.unsqueeze(-1) * onehot).sum(1) / onehot.sum(1).clamp(min=1)\n",
            ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
     Mutant("dpo-beta-dropped", "the loss is -log sigmoid(beta * delta)",
            "objectives/dpo.py", "losses = -F.logsigmoid(self.cfg.beta * delta)", "losses = -F.logsigmoid(delta)",
            ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
-    Mutant("dpo-reference-follows-policy", "the reference is a frozen copy: it never trains",
+    Mutant("dpo-reference-follows-policy", "the reference is a frozen copy: it never trains (I27)",
            "objectives/dpo.py", "            self.reference = reference\n", "            self.reference = self.policy\n",
            ("tests/test_dpo.py::test_a_live_reference_gives_the_precomputed_references_bits",)),
     Mutant("dpo-chosen-rejected-swapped", "the chosen side is preferred over the rejected one",
            "objectives/dpo.py", "chosen, rejected = policy[:, 0::2] - ref[:, 0::2], policy[:, 1::2] - ref[:, 1::2]",
            "rejected, chosen = policy[:, 0::2] - ref[:, 0::2], policy[:, 1::2] - ref[:, 1::2]",
            ("tests/test_dpo.py::test_our_loss_and_rewards_on_packed_pairs_equal_trls_dpo_trainer_on_the_same_pairs",)),
-    Mutant("grpo-sampling-seeded-by-rank", "a completion's draws are (seed, step, prompt, r)'s, whichever rank makes them (docs/rl.md)",
+    Mutant("grpo-sampling-seeded-by-rank", "a completion's draws are (seed, step, prompt, r)'s, whichever rank makes them (docs/rl.md) (I29)",
            "objectives/grpo.py", "derive_seed(self.seed, STREAM, self.step, index, r)", "derive_seed(self.seed, STREAM, self.step, index, r, self.rt.rank)",
            (GRPO_CHAIN,)),
     Mutant("grpo-group-std-left-out", "advantages are the group's rewards normalized by its std",
@@ -253,7 +253,7 @@ MUTANTS = (
     Mutant("grpo-ratio-clamp-removed", "GRPO clips the ratio to [1 - eps, 1 + eps]",
            "objectives/grpo.py", "torch.min(ratio * a, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * a)", "torch.min(ratio * a, ratio * a)",
            ("tests/test_grpo.py::test_the_cispo_and_grpo_losses_are_the_formulas_on_a_fixed_batch",)),
-    Mutant("grpo-rollout-buffer-not-saved", "a rollout under update is in the resume state",
+    Mutant("grpo-rollout-buffer-not-saved", "a rollout under update is in the resume state (I29)",
            "objectives/grpo.py", 'return {"rollout": RolloutState(self, self.rt)} if self.cfg.updates_per_rollout > 1 else {}', "return {}",
            (GRPO_CHAIN,)),
 )
@@ -283,10 +283,26 @@ def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | No
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def invariant_table() -> str:
+    """docs/design.md's table: each invariant of docs/design.md that a mutant breaks (the "(In)" tag of
+    its promise), with those mutants and the tests that catch them."""
+    by: dict[int, list[Mutant]] = {}
+    for m in MUTANTS:
+        tag = re.search(r"\((I\d+(?:, I\d+)*)\)$", m.promise)
+        for n in re.findall(r"I(\d+)", tag.group(1)) if tag else ():
+            by.setdefault(int(n), []).append(m)
+    rows = ["| invariant | mutants | caught by |", "|---|---|---|"]
+    for n in sorted(by):
+        tests = dict.fromkeys(t.removeprefix("tests/").split("::")[0] for m in by[n] for t in m.tests)
+        rows.append(f"| I{n} | {', '.join(f'`{m.name}`' for m in by[n])} | {', '.join(f'`{t}`' for t in tests)} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
     parser.add_argument("--markdown", action="store_true", help="print the mutants as docs/tests.md's table, run nothing")
+    parser.add_argument("--invariants", action="store_true", help="print docs/design.md's table: each invariant, its mutants, their tests")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (a hang counts as not caught)")
@@ -299,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.list:
         for m in chosen:
             print(f"{m.name:28} {m.file:24} {m.promise}\n{'':28} tests: {', '.join(m.tests)}")
+        return 0
+    if a.invariants:
+        print(invariant_table())
         return 0
     if a.markdown:
         print("| mutant | file | the promise it breaks | caught by |\n|---|---|---|---|")
