@@ -124,6 +124,19 @@ def test_inspect_prints_input_ids_and_labels_and_the_text_with_taught_spans_mark
     assert out.getvalue() == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n[[Hi! How can I help?<|im_end|>\n]]\n"
 
 
+@pytest.mark.e2e
+def test_a_reader_that_goes_away_ends_inspect_quietly_with_0_blaming_no_file(tmp_path, sft_corpus):
+    """`python -m data.chat inspect FILE | head -1`: the reader closes its pipe after one line."""
+    big = tmp_path / "many.jsonl"
+    big.write_text(sft_corpus.read_text() * 400)  # far more than a pipe's buffer of output
+    proc = launch.subprocess.Popen([launch.PY, "-m", "data.chat", "inspect", str(big), "--n", "100000"], cwd=launch.ROOT,
+                                   stdout=launch.subprocess.PIPE, stderr=launch.subprocess.PIPE)
+    assert json.loads(proc.stdout.readline())["input_ids"]
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and not err.strip(), err
+
+
 @pytest.mark.unit
 def test_a_conversations_logits_inside_a_pack_equal_its_logits_alone():
     from model import MiniMindLM, ModelConfig

@@ -5,6 +5,7 @@ import json
 import random
 import signal
 import socket
+import time
 
 import pytest
 
@@ -245,3 +246,30 @@ def test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself(tmp_path, ep
     logs = "".join(p.read_text() for p in tmp_path.glob("node*.log"))
     assert logs.count("loaded ") == 1  # rank 0 of the new rendezvous found the checkpoint by itself
     launch.assert_identical(shared, reference(2))
+
+
+@pytest.mark.elastic
+def test_a_node_with_a_warm_cache_waits_for_a_node_still_packing_longer_than_the_collective_timeout(tmp_path, tiny):
+    """Two nodes, data.shared_cache=false (the default): node 0's cache is warm (packed ahead), node 1's
+    cold, as for a replaced node, and its pack (a slow file system: tests/slow_pack_train.py) outlasts
+    dist.timeout_s. Node 0, which packs nothing, waits on the board's heartbeat, not in a collective
+    with a timeout, and both nodes train."""
+    import contextlib
+    import io
+
+    from data import prepare
+
+    corpus = next(a.split("=", 1)[1] for a in tiny if a.startswith("data.path="))
+    warm, cold = tmp_path / "cache0", tmp_path / "cache1"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert prepare.main([corpus, "--seq-len", "32", "--cache-dir", str(warm)]) == 0
+    stamp = {p.name: p.stat().st_mtime_ns for p in warm.glob("*.bin")}
+    port, out, t0 = free_port(), tmp_path / "run", time.monotonic()
+    procs = [start_node(tmp_path, node, port, out, "tests/slow_pack_train.py", *tiny, f"data.cache_dir={cache}", "train.steps=2",
+                        "dist.timeout_s=3", "checkpoint.lock_timeout_s=1", env={"SLOW_PACK_S": "5"})
+             for node, cache in ((0, warm), (1, cold))]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0], "".join(p.read_text() for p in tmp_path.glob("node*.log"))
+    # node 1 packed (each batch its packer read took 5 s longer: longer than dist.timeout_s), node 0 did not
+    assert list(cold.glob("*.bin")) and time.monotonic() - t0 > 5
+    assert {p.name: p.stat().st_mtime_ns for p in warm.glob("*.bin")} == stamp  # its rows were not packed again
+    assert len(launch.metrics(out)) == 2
