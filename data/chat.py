@@ -346,6 +346,13 @@ def encode_batch(tok, texts: list[str]) -> list[list[int]]:
     return [tok.encode_rendered(t) for t in texts]
 
 
+def write_row(row: np.ndarray, dtype, out) -> None:
+    """One packed row as stored: its planes with the targets + 1 (0 meaning "does not teach")."""
+    stored = row.copy()
+    stored[1] = np.where(row[1] == IGNORE, 0, row[1] + 1)
+    stored.astype(dtype).tofile(out)
+
+
 def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtype, out, progress, batch_bytes: int):
     """Pack the conversations `reader` yields into rows of (input, target + 1, position) x seq_len
     written to `out` (targets are stored + 1, 0 meaning "does not teach"); returns the counts and
@@ -357,9 +364,7 @@ def build(reader, tok, template: Template, opts: ChatOptions, seq_len: int, dtyp
 
     def write(rows: list[np.ndarray]) -> None:
         for row in rows:
-            stored = row.copy()
-            stored[1] = np.where(row[1] == IGNORE, 0, row[1] + 1)
-            stored.astype(dtype).tofile(out)
+            write_row(row, dtype, out)
             taught_per_row.append(int((row[1] != IGNORE).sum()))
 
     for batch, size in read_ahead(batches(reader, batch_bytes)):

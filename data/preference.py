@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import IGNORE, Encoder, Packer, encode_batch, messages_of, with_system_prompt
+from .chat import Encoder, Packer, encode_batch, messages_of, with_system_prompt, write_row
 from .sources import DataError, batches, parse_json, read_ahead
 
 log = logging.getLogger("minimind")
@@ -123,9 +123,7 @@ def build(reader, tok, template, opts, seq_len: int, dtype, out, progress, batch
 
     def write(rows: list[np.ndarray]) -> None:
         for row in rows:
-            stored = row.copy()
-            stored[1] = np.where(row[1] == IGNORE, 0, row[1] + 1)
-            stored.astype(dtype).tofile(out)
+            write_row(row, dtype, out)
             pairs_per_row.append(int(row[3].max() + 1) // 2)
 
     for batch, size in read_ahead(batches(reader, batch_bytes)):
