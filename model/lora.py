@@ -24,7 +24,7 @@ from torch import nn
 
 from common.seeds import derive_seed
 
-from .config import ModelConfig
+from .config import ModelConfig, _need
 
 # transformers' name of a linear -> where it is in one of our blocks
 TARGETS = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
@@ -33,11 +33,6 @@ _HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn
               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 STREAM = 0x4C6F5241  # "LoRA": the adapters' init is derive_seed(seed, STREAM), apart from every other draw
 ADAPTER = re.compile(r"^layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
-
-
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
 
 
 @dataclass

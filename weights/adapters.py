@@ -13,18 +13,10 @@ from checkpoint import storage
 from model.formats import WeightsError, check_fits, check_tensors
 from model.lora import LoRAConfig, is_adapter, minimind_name, peft_name, target_names
 
-from .sources import base_weights, verified_base
+from .sources import base_weights, read_bytes_of, verified_base
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise WeightsError(f"train.lora.init_from: {path} does not exist") from None
-    except OSError as e:
-        raise storage.CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+LORA_KEY = "train.lora.init_from"
 
 
 def peft_config(lora: LoRAConfig, targets: list[str], base: str | None) -> dict:
@@ -65,7 +57,7 @@ def read_adapters(path: str | Path, expected: dict[str, torch.Tensor], lora: LoR
     path, targets = Path(path), target_names(lora, cfg)
     expected = {k: v for k, v in expected.items() if is_adapter(k)}
     if path.is_dir():
-        config_bytes, data = _read(path / PEFT_CONFIG), _read(path / PEFT_WEIGHTS)
+        config_bytes, data = read_bytes_of(path / PEFT_CONFIG, LORA_KEY), read_bytes_of(path / PEFT_WEIGHTS, LORA_KEY)
         try:
             config = json.loads(config_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -85,7 +77,7 @@ def read_adapters(path: str | Path, expected: dict[str, torch.Tensor], lora: LoR
         files = {PEFT_CONFIG: hashlib.sha256(config_bytes).hexdigest(), PEFT_WEIGHTS: hashlib.sha256(data).hexdigest()}
         sha = hashlib.sha256("".join(f"{n}:{h}\n" for n, h in files.items()).encode()).hexdigest()
     else:
-        data = _read(path)
+        data = read_bytes_of(path, LORA_KEY)
         try:
             theirs = storage.safe_load_bytes(data, path)
         except storage.CheckpointError as e:

@@ -26,11 +26,13 @@ from model.lora import LoRAConfig, is_adapter, merged
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
 
 
-def _read(path: Path) -> bytes:
+def read_bytes_of(path: Path, key: str = "model.init_from") -> bytes:
+    """The bytes of a weights file that the config key `key` names: a missing one is bad input naming
+    the key, another I/O error a failure naming the path."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise WeightsError(f"model.init_from: {path} does not exist") from None
+        raise WeightsError(f"{key}: {path} does not exist") from None
     except OSError as e:
         raise storage.CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
 
@@ -117,7 +119,7 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
     """(the weights under our key names, the record of where they came from: path, sha256, format)."""
     path = Path(path)
     if path.is_dir() and (path / HF_CONFIG).is_file():
-        config_bytes, data = _read(path / HF_CONFIG), _read(path / HF_WEIGHTS)
+        config_bytes, data = read_bytes_of(path / HF_CONFIG), read_bytes_of(path / HF_WEIGHTS)
         try:
             hf = json.loads(config_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -141,7 +143,7 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
         record = {"path": str(folder.resolve()), "sha256": hashlib.sha256(listing.encode()).hexdigest(), "format": "checkpoint",
                   "model_sha256": storage.model_sha256(state)}
     else:
-        data = _read(path)
+        data = read_bytes_of(path)
         if path.suffix == ".safetensors":
             state = _safetensors(data, path)
         else:
