@@ -31,6 +31,9 @@ log = logging.getLogger("minimind")
 OPTIONAL_STATES = frozenset({"scaler"})
 """States a checkpoint may lack: they start fresh, with a warning (a GradScaler when a float32 or
 bfloat16 run continues in float16)."""
+CONVERT_JOURNAL = "convert.journal"
+"""checkpoints/convert.journal: a conversion of the earlier layout under way (cli/convert.py); while it is there no
+resume loads anything (it could be an older step than the one being converted)."""
 
 
 class Stateful(Protocol):
@@ -222,6 +225,10 @@ class CheckpointManager:
         """Rank 0: the checkpoints to try, in order, per checkpoint.resume: (folder, manifest, None),
         or (folder, None, why it cannot be used). Files present with their sizes; nothing hashed yet."""
         mode = self.cfg.resume
+        if (self.root / CONVERT_JOURNAL).exists():
+            raise storage.CheckpointMismatch(
+                f"{self.root / CONVERT_JOURNAL}: a conversion of the earlier layout was interrupted; finish it first "
+                f"(nothing was loaded or deleted): {storage.CONVERT} {self.root.parent}")
         if mode == "never":
             existing = storage.list_checkpoints(self.root)
             if existing:

@@ -256,6 +256,15 @@ MUTANTS = (
     Mutant("grpo-rollout-buffer-not-saved", "a rollout under update is in the resume state (I29)",
            "objectives/grpo.py", 'return {"rollout": RolloutState(self, self.rt)} if self.cfg.updates_per_rollout > 1 else {}', "return {}",
            (GRPO_CHAIN,)),
+    Mutant("convert-journal-ignored", "a conversion killed at any step of its sequence is finished by the rerun (I13)",
+           "cli/convert.py", "    done = finish(root)\n", "    done = None\n",
+           ("tests/test_convert.py::test_a_conversion_killed_at_any_step_is_finished_by_the_rerun_and_no_resume_meanwhile_loads_an_older_step",)),
+    Mutant("resume-ignores-convert-journal", "no resume loads anything while a conversion is under way (I13)",
+           "checkpoint/manager.py", "        if (self.root / CONVERT_JOURNAL).exists():\n", "        if False:\n",
+           ("tests/test_convert.py::test_a_resume_is_refused_while_a_conversion_journal_is_there_even_with_no_other_checkpoint",)),
+    Mutant("convert-keys-not-filled", "a converted record has every key added since, at the old release's behaviour",
+           "cli/convert.py", "    return fill(config, to_dict(Config()), \"\"), filled\n", "    return dict(config), filled\n",
+           ("tests/test_convert.py::test_a_run_the_previous_release_wrote_converts_and_resumes_to_the_uninterrupted_runs_bits",)),
 )
 
 
