@@ -92,7 +92,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
     meta = RunMeta(world_size=rt.world_size, global_batch=plan.global_batch, micro_batch=plan.micro_batch, accum=plan.accum,
                    threads=rt.threads, reduce=cfg.dist.reduce, strategy=cfg.dist.strategy, config=to_dict(cfg),
                    data_fingerprint=fingerprint, run_id=rt.broadcast(new_run_id()), must_match=must_match, may_change=may_change,
-                   files=tok.files)
+                   files=tok.files, architecture=cfg.model.architecture())
     ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta, durable=(Path(cfg.out_dir) / folder.METRICS,))
     chat = cfg.data.format != "text"
     entropy = [float("nan")]  # the pretraining yardstick, from the counts packing stored beside the corpus (rank 0)
@@ -150,15 +150,15 @@ def start_lora(cfg: Config, rt: runtime.Runtime, run: Run, resumed: Resumed | No
     read = lambda: got.append(weights.lora_start(cfg.model, cfg.seed, lora, path, base if resumed else None,  # noqa: E731
                                                  resumed and resumed.path, run.model.state_dict()))
     protocol.agree("train.lora's base", attempt(read))
-    state, record, source, sha = got[0]
+    state, record, source, pinned = got[0]
     (runtime.sharding.load_full if run.sharded else type(run.model).load_state_dict)(run.model, state, strict=False)
     if not resumed:
-        run.ckpt.meta.init_from, run.ckpt.meta.base = record, {"sha256": sha, "init_from": record, "adapters_from": source}
+        run.ckpt.meta.init_from, run.ckpt.meta.base = record, {**pinned, "init_from": record, "adapters_from": source}
     if rt.is_main:
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
         log.info("train.lora: rank %d (scale %g) on %s: %s of %s parameters train; the base (%s, weights sha256 %s) frozen%s%s",
                  lora.rank, lora.scale, lora.targets, f"{trainable:,}", f"{run.model.num_parameters():,}", path or "the seeded init",
-                 sha[:12], ", verified" if resumed else "", f"; adapters from {source['path']}" if source else "")
+                 pinned["sha256"][:12], ", verified" if resumed else "", f"; adapters from {source['path']}" if source else "")
 
 
 def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Metrics:
@@ -223,7 +223,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
 def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
     """The reduction, wrapped after the load; under canonical, every rank must start from the same bits."""
     return runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,
-                                lambda m: model_sha256(m.state_dict()), run.train_state.step)
+                                lambda m: model_sha256(m.state_dict(), cfg.model.architecture()), run.train_state.step)
 
 
 def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol) -> tuple[str, int]:

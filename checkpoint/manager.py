@@ -85,19 +85,23 @@ class RunMeta:
     """Where the run's first weights came from (path, sha256, format), when not from its seeded init;
     carried from checkpoint to checkpoint."""
     base: dict | None = None
-    """A LoRA run's frozen base, which its checkpoints do not hold: {sha256: the base weights'
-    model_sha256, init_from: where they were read (None: the seeded init), adapters_from: the
+    """A LoRA run's frozen base, which its checkpoints do not hold: {sha256: the base's identity
+    (storage.model_sha256), identity: its version, init_from: where they were read (None: the seeded init), adapters_from: the
     adapters it began from (None: fresh)}; carried from checkpoint to checkpoint."""
 
     reference: dict | None = None
-    """A DPO run's reference model: {sha256: its weights' model_sha256, source: where they were read
+    """A DPO run's reference model: {sha256: its identity, identity: its version, source: where they were read
     (None: the seeded init)}; carried from checkpoint to checkpoint."""
 
     reward: dict | None = None
     """A GRPO run's reward: {spec, and for a user's function its file and sha256}; carried from checkpoint to checkpoint."""
 
+    architecture: dict = field(default_factory=dict)
+    """The model's architecture fields (`ModelConfig.architecture()`): part of the identity the
+    manifest's `model_sha256` is (storage.model_sha256; docs/design.md "One model identity")."""
+
     RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "strategy", "config",
-                "data_fingerprint", "run_id", "init_from", "base", "reference", "reward")
+                "data_fingerprint", "run_id", "init_from", "base", "reference", "reward", "architecture")
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in self.RECORDED}
@@ -333,15 +337,37 @@ class CheckpointManager:
             format.load(target, path, manifest["files"], metadata, **self._dcp())
         except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike
             raise dcp_failure(e, f"loading {path}") from None
-        for name, obj in states.items():
-            if name in target:
-                obj.load_state_dict(target[name])
-        if "rng" in target:
-            rng.restore_blob(target["rng"][str(self.comm.rank)], self.comm.device)
-        else:  # a rank that did not exist before: its generators get a seed-derived state
+        if "model" in target:
+            self._check_identity(path, manifest, target["model"])
+        failed = None
+        try:
+            for name, obj in states.items():
+                if name in target:
+                    obj.load_state_dict(target[name])
+            if "rng" in target:
+                rng.restore_blob(target["rng"][str(self.comm.rank)], self.comm.device)
+        except Exception as e:  # noqa: BLE001 - what was read does not load (a forged item): unusable, on every rank alike
+            failed = f"{path}: its states do not load ({type(e).__name__}: {e})"
+        failures = [f for f in self.comm.all_gather(failed) if f]
+        if failures:
+            raise storage.CheckpointError(failures[0])
+        if "rng" not in target:  # a rank that did not exist before: its generators get a seed-derived state
             rng.seed_fresh(lookup(manifest, "config.seed") or 0, self.comm.rank, int(manifest["step"]))
             log.warning("rank %d has no saved RNG state (the checkpoint had %d ranks); seeded it from (seed, rank, step)",
                         self.comm.rank, manifest.get("world_size", 0))
+
+    def _check_identity(self, path: Path, manifest: dict, model: dict) -> None:
+        """What was loaded is what was saved: the identity of the model state DCP filled equals the
+        manifest's model_sha256 (docs/design.md "One model identity"), else the checkpoint is
+        unusable (a metadata that maps a tensor's name to another's bytes, a chunk read twice).
+        Sharded states are gathered whole for it, on every rank alike (one all-gather per resume)."""
+        if manifest.get("identity") != storage.IDENTITY:
+            return  # an earlier release's manifest: its hash is of the dict's order, checked by the tools
+        whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sorted(model.items())}
+        got = storage.model_sha256(whole, self.meta.architecture)
+        if got != manifest.get("model_sha256"):
+            raise storage.CheckpointError(f"{path}: the loaded model's identity {got} is not the {manifest.get('model_sha256')} "
+                                          f"its manifest recorded at the save: the state files' metadata is damaged")
 
     def _loaded(self, path: Path, manifest: dict, t0: float) -> Resumed:
         if self.comm.is_main and path.parent == self.root:
@@ -439,11 +465,12 @@ class CheckpointManager:
             if not all(type(t) is torch.Tensor for t in model.values()):  # shards (DTensors): read them back, whole
                 model = format.read_tensors(tmp, entries, metadata, "model.")
             # The weights' sha256 (only the manifest needs it) in a thread of its own while the fp16 file is written.
-            model_sha = _hasher.submit(storage.model_sha256, model)
+            model_sha = _hasher.submit(storage.model_sha256, model, self.meta.architecture)
             for path in self.durable:  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
                 if path.exists():
                     fsync_path(path)
-            manifest = {**snapshot["train"], **self.meta.record(), "model_sha256": model_sha, "created_unix": time.time()}
+            manifest = {**snapshot["train"], **self.meta.record(), "model_sha256": model_sha, "identity": storage.IDENTITY,
+                        "created_unix": time.time()}
             files = {storage.WEIGHTS_FILE: half_weights(model, single_thread=background), **self.meta.files}
             final = storage.publish(self.root, step, files, manifest, tmp=tmp, written=entries)
             self.owned.add(final)

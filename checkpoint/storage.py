@@ -464,12 +464,43 @@ def safe_load_bytes(data: bytes, path: Path, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def model_sha256(state_dict: dict[str, torch.Tensor]) -> str:
-    """sha256 over the fp32 parameters' bytes in state_dict order: the identity of a model's weights."""
+IDENTITY = 2
+"""The version of `model_sha256` a manifest or a pin records under "identity"; one without it holds
+`legacy_model_sha256` (the releases before: fp32 bytes in state-dict order, no names, no shapes)."""
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.to("cpu", torch.float32).contiguous()
+    return t
+
+
+def model_sha256(state_dict: dict[str, torch.Tensor], architecture: dict) -> str:
+    """A model's identity (docs/design.md "One model identity"): sha256 over the architecture fields
+    that change the function the weights compute (`ModelConfig.architecture()`, as sorted JSON), then
+    for every tensor in sorted name order its name, shape and fp32 bytes. The same weights give the
+    same identity however they were read (a dict's order, a file's layout); another name, shape or
+    head layout gives another."""
+    h = hashlib.sha256(json.dumps({"identity": IDENTITY, "architecture": architecture}, sort_keys=True).encode() + b"\n")
+    for name in sorted(state_dict):
+        t = _fp32(state_dict[name])
+        h.update(f"{name}\0float32\0{list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy, no tensor op
+    return h.hexdigest()
+
+
+def legacy_model_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """The earlier releases' hash (fp32 bytes in the dict's order, no names): kept only to check
+    the pins and manifests those releases wrote (their records carry no "identity")."""
     h = hashlib.sha256()
     for t in state_dict.values():
-        t = t.detach()
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
-            t = t.to("cpu", torch.float32).contiguous()
-        h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy, no tensor op
+        h.update(_fp32(t).reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def identity_matches(record: dict, key: str, state_dict: dict[str, torch.Tensor], architecture: dict) -> tuple[bool, str]:
+    """Whether `state_dict` is the model `record[key]` names, by the identity version the record was
+    written with; returns (equal, the hash computed the same way)."""
+    got = model_sha256(state_dict, architecture) if record.get("identity") == IDENTITY else legacy_model_sha256(state_dict)
+    return got == record.get(key), got

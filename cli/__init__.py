@@ -1,15 +1,17 @@
 """The user commands, on the top floor: `python -m checkpoint VERB ...` (or `python -m cli VERB ...`).
 
-    inspect PATH                what a checkpoint holds, as JSON (model_sha256: the fp32 weights' sha256)
+    inspect PATH                what a checkpoint holds, as JSON (model_sha256: the model's identity)
     compare RUN_A RUN_B         are two runs bit-identical: weights and every logged loss (exit 0 identical, 1 not)
     generate PATH --prompt ...  continue a prompt with the fp16 weights (KV cache; temperature, top-k, top-p, ...)
-    chat PATH [--prompt ...]    a fine-tuned run's reply with the tokenizer's chat template
-    export PATH --format minimind|hf|peft --out OUT
-                                MiniMind's state dict (fp16 .pth) or a Hugging Face folder with the tokenizer
+    chat PATH [--prompt ...]    a fine-tuned run's reply with the tokenizer's chat template (generate's defaults)
+    export PATH --format minimind|hf|peft --out OUT [--base NAME] [--with-base]
+                                MiniMind's state dict (fp16 .pth), a Hugging Face folder with the tokenizer, or
+                                a LoRA run's PEFT adapter (--with-base: the base's Hugging Face export inside)
     plot RUN [RUN ...] --out FILE.png
                                 loss, validation loss and LR against the step (matplotlib: requirements-extra.txt)
-    status RUN [--exit-code]    the run's state and who holds its folder; with --exit-code, exit with the run's
-                                code (the launch scripts use it: torchrun's own status does not say "resume me")
+    status RUN [--exit-code]    where the run is: its state, step, loss (or reward), tokens/s, last checkpoint, ETA;
+                                with --exit-code, exit with the run's code (the launch scripts use it: torchrun's
+                                own status does not say "resume me") and print its outcome's line last
     convert RUN                 turn checkpoints of the earlier layout (a resume.pth file) into this one, in place
 
 PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
@@ -42,8 +44,8 @@ def inspect_checkpoint(path: Path, manifest: dict) -> dict:
     from weights import model_config
 
     metadata = storage.read_metadata(path, manifest)
-    model = storage.read_tensors(path, manifest, "model.")
-    sha = storage.model_sha256(model)
+    model, cfg = storage.read_tensors(path, manifest, "model."), model_config(path, manifest)
+    same, sha = storage.identity_matches(manifest, "model_sha256", model, cfg.architecture())
     keys = format.keys(metadata)
     return {
         "path": str(path),
@@ -59,8 +61,9 @@ def inspect_checkpoint(path: Path, manifest: dict) -> dict:
         "strategy": manifest.get("strategy"),
         "run_id": manifest.get("run_id"),
         "model_sha256": sha,
-        "manifest_model_sha256_matches": manifest.get("model_sha256") == sha,
-        "parameters": MiniMindLM(model_config(path, manifest)).num_parameters(),
+        "identity": manifest.get("identity", 1),
+        "manifest_model_sha256_matches": same,
+        "parameters": MiniMindLM(cfg).num_parameters(),
         "optimizer_state_bytes": format.tensor_bytes(metadata, "optimizer.state."),
         "ranks_with_rng_state": len({k.split(".")[1] for k in keys if k.startswith("rng.")}),
         "data_fingerprint": {k: (manifest.get("data_fingerprint") or {}).get(k) for k in (
@@ -90,10 +93,10 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 def compare_runs(a: Path, b: Path) -> dict:
     """Two run folders side by side: the newest valid checkpoints' weights and every logged loss.
     `identical` is True only for equal model_sha256 and bit-equal losses at every step."""
-    from weights import checkpoint_weights
+    from weights import checkpoint_weights, identity
 
-    (_, ma, _, wa), (_, mb, _, wb) = checkpoint_weights(a), checkpoint_weights(b)
-    sha_a, sha_b = storage.model_sha256(wa), storage.model_sha256(wb)
+    (_, ma, ca, wa), (_, mb, cb, wb) = checkpoint_weights(a), checkpoint_weights(b)
+    sha_a, sha_b = identity(wa, ca), identity(wb, cb)
     max_dw = max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if k in wb and wa[k].shape == wb[k].shape),
                  default=float("nan"))
     la, lb = _losses(a), _losses(b)

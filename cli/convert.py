@@ -167,13 +167,21 @@ def write_converted(folder: Path, files: dict[str, bytes], payload: dict, stagin
                    accum=payload["accum"], threads=payload.get("threads", 1), reduce=payload.get("reduce", "ddp"),
                    strategy="fsdp" if sharded else "ddp", config=config, data_fingerprint=payload["data_fingerprint"],
                    run_id=payload.get("run_id", ""), init_from=payload.get("init_from"),
-                   files={k: v for k, v in files.items() if k in storage.TOKENIZER_FILES})
+                   files={k: v for k, v in files.items() if k in storage.TOKENIZER_FILES},
+                   architecture=_architecture(config))
     manager = CheckpointManager(CheckpointConfig(interval=0, keep=1 << 30), staging, Runtime(), meta)
     try:
         manager.save(step, states, background=False, rng_states=blobs)
     finally:
         manager.close()
     return staging / storage.CHECKPOINTS / storage.step_dir_name(step), filled
+
+
+def _architecture(config: dict) -> dict:
+    """The converted model's architecture fields, for its identity (the manifest's model_sha256)."""
+    from model import ModelConfig
+
+    return ModelConfig.from_dict(config["model"]).architecture()
 
 
 def _remove_staging(root: Path) -> None:

@@ -105,6 +105,17 @@ class ModelConfig:
         """The width of each head: model.head_dim, or dim / n_heads."""
         return self.head_dim or self.dim // self.n_heads
 
+    def architecture(self) -> dict:
+        """The fields that change the function the weights compute, as they act (the derived head and
+        feed-forward widths, not how they were given): part of the model's identity (docs/design.md
+        "One model identity"). Not seq_len, dropout, the MoE's aux-loss weight or init_from."""
+        moe = self.moe
+        return {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                "head_size": self.head_size, "qk_norm": self.qk_norm, "vocab_size": self.vocab_size, "ffn_dim": self.ffn_dim,
+                "norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
+                "moe": {"experts": moe.experts, "top_k": moe.top_k, "norm_topk_prob": moe.norm_topk_prob,
+                        "expert_dim": self.expert_dim} if moe.experts else None}
+
     @property
     def ffn_dim(self) -> int:
         if self.hidden_dim:

@@ -13,15 +13,18 @@ rank: the same bits on any world size.
 
 The reference's log-probabilities are a function of the row alone: computed one row at a time
 (a batch of one), live (`train.dpo.precompute=false`: a frozen copy beside the policy, eval mode)
-or once before training (`precompute`: every rank its share of the rows, gathered, and kept in a
-file beside the packed rows named by the reference's hash): the same bits either way, for the same
-threads.
+or once before training (`precompute`: every rank its share of the rows the run reads, gathered,
+and kept in a file beside the packed rows named by the rows' fingerprint, the reference's identity
+and the autocast): the same bits either way, for the same threads and train.dtype.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from common.files import atomic_file
 from common.outcome import attempt
 from data.chat import IGNORE
 from data.dataset import PreferenceDataset
+from data.sampler import make_order
+from runtime import autocast as runtime_autocast
 
 from .reference import pinned_reference
 
@@ -133,58 +138,93 @@ class DPO:
 
     def start(self, cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes]) -> None:
         """On every rank after the resume's load: read the reference (train.dpo.reference, else
-        model.init_from, else the seeded init; on a resume, refused unless its hash is the one the
-        checkpoint pinned), then precompute its log-probabilities once per node or keep it live."""
+        model.init_from, else the seeded init; on a resume, refused unless its identity is the one
+        the checkpoint pinned), then precompute its log-probabilities for the rows the run reads,
+        or keep it live."""
         reference, sha, path = pinned_reference(cfg, rt, meta, resumed, agree, tok_files, self.cfg.reference, "train.dpo.reference")
+        # The reference runs under the policy's autocast live (inside the step's), so the table is
+        # computed under the same one: the same bits either way (under fsdp neither has autocast).
+        self.autocast = (cfg.dist.strategy, cfg.train.dtype)
         if not self.cfg.precompute:
             self.reference = reference
         else:
-            table = _table_path(self.dataset, sha, self.segments)
+            table = _table_path(self.dataset, meta.data_fingerprint, sha, self.segments, self.autocast)
+            needed = rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
             writer = rt.rank == 0 or (not cfg.data.shared_cache and rt.local_rank == 0)
-            self.table = _precomputed(self, reference, rt, table, writer, agree)
+            self.table = _precomputed(self, reference, rt, table, needed, writer, agree)
         if rt.is_main:
-            log.info("train.dpo: beta %g; the reference %s (weights sha256 %s)%s, %s", self.cfg.beta, path or "the seeded init",
+            log.info("train.dpo: beta %g; the reference %s (identity %s)%s, %s", self.cfg.beta, path or "the seeded init",
                      sha[:12], ", verified" if resumed else "",
-                     f"precomputed once into {_table_path(self.dataset, sha, self.segments).name}" if self.cfg.precompute
+                     f"precomputed for the {len(needed):,} rows the run reads into {table.name}" if self.cfg.precompute
                      else "live beside the policy")
 
 
-def _table_path(dataset, sha: str, segments: int) -> Path:
-    """Beside the packed rows: the reference's sums for the first len(dataset) rows, by the reference's hash."""
-    return Path(dataset.bin_path).with_name(f"{Path(dataset.bin_path).stem}.ref-{sha[:16]}-S{segments}-N{dataset.start + len(dataset)}.npy")
+def rows_read(num_samples: int, global_batch: int, seed: int, order: str, steps: int) -> np.ndarray:
+    """The sorted indices of every row steps [0, steps) read (each epoch's order, docs/design.md I1):
+    what a precomputed table must hold, the resume's remainder included."""
+    per_epoch = num_samples // global_batch
+    seen: list[np.ndarray] = []
+    for epoch in range(-(-steps // per_epoch) if per_epoch else 0):
+        n = min(steps - epoch * per_epoch, per_epoch) * global_batch
+        seen.append(np.asarray(make_order(order, num_samples, seed, epoch).take(0, n), dtype=np.int64))
+    return np.unique(np.concatenate(seen)) if seen else np.zeros(0, dtype=np.int64)
 
 
-def _precomputed(dpo: DPO, reference, rt, table: Path, writer: bool, agree) -> np.ndarray:
-    """The reference sums of every row the run trains on: the file beside the rows when every rank
-    sees it, else computed once, each rank its share of the rows (row k on rank k mod W), gathered,
-    and written for the next launch by each node's first rank (rank 0 alone with a shared cache)."""
-    if all(rt.all_gather(table.exists())):
-        return np.load(table, mmap_mode="r", allow_pickle=False)
-    rows = PreferenceDataset(dpo.dataset.bin_path, dpo.dataset.seq_len, dpo.dataset.start + len(dpo.dataset), dtype=dpo.dataset.dtype.name)
+def _table_path(dataset, fingerprint: dict, sha: str, segments: int, autocast: tuple[str, str]) -> Path:
+    """Beside the packed rows, named by what its figures are a function of: the packed rows' own
+    fingerprint (the corpus's bytes, the tokenizer, the packing), the reference's identity and the
+    autocast it ran under."""
+    rows = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stem = Path(dataset.bin_path).stem
+    return Path(dataset.bin_path).with_name(f"{stem}.ref-{rows}-{sha[:16]}-{'-'.join(autocast)}-S{segments}-N{dataset.start + len(dataset)}.npy")
+
+
+def _stale(table: Path) -> list[Path]:
+    """Tables beside the same packed rows for other rows (a repacked corpus): they can never be read again."""
+    stem, rows = table.name.split(".ref-")[0], table.name.split(".ref-")[1].split("-")[0]
+    return [p for p in table.parent.glob(f"{stem}.ref-*.npy") if p.name.split(".ref-")[1].split("-")[0] != rows]
+
+
+def _precomputed(dpo: DPO, reference, rt, table: Path, needed: np.ndarray, writer: bool, agree) -> np.ndarray:
+    """The reference sums of every row in `needed`: read from the file beside the rows where it holds
+    them all (a row not yet computed is NaN there), else the missing ones computed once, each rank
+    its share (row k of them on rank k mod W), gathered, merged and written for the next launch by
+    each node's first rank (rank 0 alone with a shared cache)."""
+    total = dpo.dataset.start + len(dpo.dataset)
+    have = np.load(table, allow_pickle=False) if table.exists() else np.full((total, dpo.segments), np.nan, dtype=np.float32)
+    if have.shape != (total, dpo.segments):
+        have = np.full((total, dpo.segments), np.nan, dtype=np.float32)
+    missing = sorted(set().union(*rt.all_gather([int(k) for k in needed if np.isnan(have[k]).any()])))
+    if not missing:
+        return have
+    rows = PreferenceDataset(dpo.dataset.bin_path, dpo.dataset.seq_len, total, dtype=dpo.dataset.dtype.name)
+    strategy, dtype = dpo.autocast
+    autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)
     mine: dict[int, np.ndarray] = {}
 
     def compute() -> None:
         t0 = last = time.monotonic()
-        for k in range(rt.rank, len(rows), rt.world_size):
-            batch = [t.unsqueeze(0) for t in rows[k]]
-            mine[k] = reference_logps(reference, batch, rt.device, dpo.segments)[0].cpu().numpy()
+        for k in missing[rt.rank::rt.world_size]:
+            with autocast:
+                mine[k] = reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, dpo.segments)[0].cpu().numpy()
             if rt.is_main and time.monotonic() - last > 10:
                 last = time.monotonic()
                 log.info("train.dpo: the reference's log-probabilities, %d of %d rows (%.0f rows/s over %d rank(s))",
-                         len(mine) * rt.world_size, len(rows), len(mine) * rt.world_size / (last - t0), rt.world_size)
+                         len(mine) * rt.world_size, len(missing), len(mine) * rt.world_size / (last - t0), rt.world_size)
 
     agree("train.dpo.precompute", attempt(compute))
-    out = np.zeros((len(rows), dpo.segments), dtype=np.float32)
     for part in rt.all_gather(mine):
         for k, v in part.items():
-            out[k] = v
+            have[k] = v
 
     def write() -> None:
+        for old in _stale(table):
+            old.unlink(missing_ok=True)
         with atomic_file(table, "wb") as f:
-            np.save(f, out, allow_pickle=False)
+            np.save(f, have, allow_pickle=False)
 
     agree("train.dpo.precompute", attempt(write) if writer else None)
-    return out
+    return have
 
 
 def ln2() -> float:

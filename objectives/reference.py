@@ -1,15 +1,16 @@
 """The frozen reference model of DPO and GRPO (docs/dpo.md, docs/rl.md): read on every rank from a
-weights source, pinned by the sha256 of its weights in every checkpoint, and on a resume refused
+weights source, pinned by its identity (weights and architecture) in every checkpoint, and on a resume refused
 unless it is the pinned one."""
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from checkpoint import model_sha256, storage
+from checkpoint import storage
 from common.outcome import BadInput, attempt
+from data import tokenizer as tokenizers
 from model import MiniMindLM
-from weights import base_weights, verified_base
+from weights import base_weights, pin, verified_base
 
 
 def pinned_reference(cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes], source: str, key: str) -> tuple[MiniMindLM, str, str]:
@@ -23,7 +24,7 @@ def pinned_reference(cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes],
 
     def read() -> None:
         if pinned:
-            state, record = verified_base(cfg.model, cfg.seed, path, pinned["sha256"], f"the steps of {resumed.path}",
+            state, record = verified_base(cfg.model, cfg.seed, path, pinned, f"the steps of {resumed.path}",
                                           key=key, what="reference", names=key)
         else:
             state, record = base_weights(cfg.model, cfg.seed, path)
@@ -32,8 +33,9 @@ def pinned_reference(cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes],
 
     agree(key, attempt(read))
     state, record = got[0]
-    sha = model_sha256(state)
-    meta.reference = {"sha256": sha, "source": record}
+    pinned_now = pin(state, cfg.model)
+    sha = pinned_now["sha256"]
+    meta.reference = {**pinned_now, "source": record}
     reference = MiniMindLM(cfg.model).to(rt.device)
     reference.load_state_dict(state)
     return reference.eval().requires_grad_(False), sha, path
@@ -49,7 +51,10 @@ def check_tokenizer(record: dict | None, tok_files: dict[str, bytes], path: str,
         _, manifest, _ = storage.find_checkpoint(Path(record["path"]))
         theirs = (manifest["files"].get("tokenizer.json") or {}).get("sha256")
     elif record["format"] == "hf" and (Path(record["path"]) / "tokenizer.json").is_file():
-        theirs = hashlib.sha256((Path(record["path"]) / "tokenizer.json").read_bytes()).hexdigest()
+        data = (Path(record["path"]) / "tokenizer.json").read_bytes()
+        # An export of a byte-tokenizer run carries the byte tokenizer as a tokenizers file: it is that tokenizer.
+        byte = tokenizers.byte_tokenizer_files(0)[tokenizers.TOKENIZER_FILE]
+        theirs = None if data == byte else hashlib.sha256(data).hexdigest()
     else:
         return
     if theirs != ours:

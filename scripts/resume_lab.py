@@ -36,7 +36,7 @@ from cli.convert import states_of  # noqa: E402
 from data import PackedDataset, pack, resolve_source  # noqa: E402
 from run import folder as runfolder  # noqa: E402
 from runtime import Runtime  # noqa: E402
-from weights import load_model, tokenizer_files  # noqa: E402
+from weights import load_model, model_config, tokenizer_files  # noqa: E402
 
 ABLATIONS = {
     "optimizer": "optimizer state (a fresh AdamW)",
@@ -89,7 +89,8 @@ def edit_checkpoint(folder: Path, edit) -> Path:
     folder: how the lab leaves a piece of state out before a normal resume. Returns its folder."""
     manifest = storage.verify(folder)
     states, model, opt = states_of(manifest["config"])
-    meta = RunMeta(**{k: manifest.get(k) for k in RunMeta.RECORDED}, files=tokenizer_files(folder, manifest))
+    meta = RunMeta(**{k: manifest.get(k) for k in RunMeta.RECORDED if k != "architecture"}, files=tokenizer_files(folder, manifest),
+                   architecture=model_config(folder, manifest).architecture())
     run = folder.parent.parent
     manager = CheckpointManager(CheckpointConfig(resume=str(folder), interval=0, keep=1 << 30), run, Runtime(), meta)
     try:

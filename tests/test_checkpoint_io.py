@@ -225,9 +225,9 @@ def test_model_sha256_is_over_fp32_bytes_in_state_dict_order():
     a = {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([3.0])}
     b = {"y": torch.tensor([3.0]), "x": torch.tensor([1.0, 2.0])}
     expected = hashlib.sha256(np.array([1.0, 2.0, 3.0], dtype=np.float32).tobytes()).hexdigest()
-    assert storage.model_sha256(a) == expected != storage.model_sha256(b)
-    c = {"x": torch.tensor([1.0, 2.0 + 2**-20]), "y": torch.tensor([3.0])}
-    assert storage.model_sha256(a) != storage.model_sha256(c)
+    assert storage.legacy_model_sha256(a) == expected != storage.legacy_model_sha256(b)
+    assert storage.identity_matches({"sha256": expected}, "sha256", a, {}) == (True, expected)
+    assert not storage.identity_matches({"sha256": expected, "identity": storage.IDENTITY}, "sha256", a, {})[0]
 
 
 def test_the_fp16_weights_keep_tied_tensors_as_one(tmp_path):

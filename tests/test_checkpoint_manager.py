@@ -222,7 +222,7 @@ def test_load_restores_the_optimizers_state_and_param_groups_exactly(tmp_path):
         assert sorted(got["state"][i]) == sorted(per_param) == ["exp_avg", "exp_avg_sq", "step"]
         for k, v in per_param.items():
             assert torch.equal(got["state"][i][k], v), (i, k)
-    assert storage.model_sha256(fresh_model.state_dict()) == storage.model_sha256(model.state_dict())
+    assert storage.model_sha256(fresh_model.state_dict(), {}) == storage.model_sha256(model.state_dict(), {})
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):

@@ -101,7 +101,7 @@ def test_a_resume_against_another_reference_is_refused_naming_both_hashes(refere
     pinned = launch.storage_manifest(out, 2)["reference"]["sha256"]
     code, err = launch.in_process(*args, f"train.dpo.reference={reference_run / 'one'}")
     assert code == 2 and "Traceback" not in err, err
-    assert f"but the steps of {out / 'checkpoints' / 'step_00000002'} were trained over sha256 {pinned}" in err, err
+    assert f"but the steps of {out / 'checkpoints' / 'step_00000002'} were trained over identity {pinned}" in err, err
     assert [s.name for s in (out / "checkpoints").iterdir()] == ["step_00000002"]
 
 
@@ -228,3 +228,50 @@ def test_segment_sums_are_the_taught_log_probabilities_of_each_side():
     got = segment_logps(logits, targets, sides, 2)
     lp = torch.log_softmax(logits, -1)[0]
     assert torch.allclose(got, torch.stack([lp[1, 1] + lp[2, 2], lp[4, 3]]).unsqueeze(0))  # position 5 is padding
+
+
+@pytest.mark.e2e
+def test_live_and_precomputed_references_give_the_same_bits_under_bfloat16_autocast(prefs, tmp_path):
+    # The live reference runs inside the step's autocast; the table is computed under the same one.
+    args = [*base(prefs, tmp_path / "cache"), "train.dtype=bfloat16", "train.steps=3"]
+    for name, extra in (("pre", []), ("live", ["train.dpo.precompute=false"])):
+        code, err = launch.in_process(*args, *extra, f"out_dir={tmp_path / name}")
+        assert code == 0, err
+    launch.assert_identical(tmp_path / "live", tmp_path / "pre")
+    tables = list((tmp_path / "cache").rglob("*.ref-*.npy"))
+    assert len(tables) == 1 and "-ddp-bfloat16-" in tables[0].name, tables
+
+
+@pytest.mark.e2e
+def test_an_edited_preference_file_of_the_same_size_gets_a_new_table_and_the_stale_one_is_removed(prefs, tmp_path):
+    edited = tmp_path / "dpo.jsonl"
+    text = prefs.read_text()
+    swapped = text.replace("red", "tmp").replace("sun", "red").replace("tmp", "sun")  # the same bytes' count, other rows
+    assert len(swapped) == len(text) and swapped != text
+    edited.write_text(text)
+    args = [*base(edited, tmp_path / "cache"), "train.steps=2"]
+    assert launch.in_process(*args, f"out_dir={tmp_path / 'a'}")[0] == 0
+    first = sorted(p.name for p in (tmp_path / "cache").rglob("*.ref-*.npy"))
+    edited.write_text(swapped)
+    assert launch.in_process(*args, f"out_dir={tmp_path / 'b'}")[0] == 0
+    second = sorted(p.name for p in (tmp_path / "cache").rglob("*.ref-*.npy"))
+    assert len(first) == len(second) == 1 and first != second  # the old rows' table is gone, not reused
+    assert launch.in_process(*args, "train.dpo.precompute=false", f"out_dir={tmp_path / 'live'}")[0] == 0
+    launch.assert_identical(tmp_path / "b", tmp_path / "live")  # the edited rows' own reference figures
+
+
+@pytest.mark.e2e
+def test_the_precompute_computes_only_the_rows_the_run_reads_and_a_longer_run_adds_the_rest(prefs, tmp_path):
+    import numpy as np
+
+    cache = tmp_path / "cache"
+    assert launch.in_process(*base(prefs, cache), "train.steps=2", f"out_dir={tmp_path / 'two'}")[0] == 0
+    (table,) = cache.rglob("*.ref-*.npy")
+    computed = lambda: int((~np.isnan(np.load(table)).any(1)).sum())  # noqa: E731
+    assert computed() == 2 * 12 < len(np.load(table))  # two steps of 12 distinct rows, of the epoch's
+    code, err = launch.in_process(*base(prefs, cache), "train.steps=4", f"out_dir={tmp_path / 'four'}")
+    assert code == 0, err
+    assert 2 * 12 < computed() <= 4 * 12  # the rows of steps 3 and 4 that the first run did not read
+    code, err = launch.in_process(*base(prefs, cache), "train.steps=4", "train.dpo.precompute=false", f"out_dir={tmp_path / 'live'}")
+    assert code == 0, err
+    launch.assert_identical(tmp_path / "four", tmp_path / "live")

@@ -151,7 +151,7 @@ def test_a_resume_over_another_base_is_refused_naming_both_hashes_with_nothing_l
     code, err = launch.in_process(*args, f"model.init_from={other}")
     base = launch.storage_manifest(runs / "base", 6)["model_sha256"]
     assert code == 2 and "Traceback" not in err, err
-    assert f"but the adapters of {out / 'checkpoints' / 'step_00000002'} were trained over sha256 {base}" in err, err
+    assert f"but the adapters of {out / 'checkpoints' / 'step_00000002'} were trained over identity {base}" in err, err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     # the base moved: model.init_from names it again, and the resume goes on
     moved = tmp_path / "moved-base"

@@ -130,8 +130,9 @@ def test_inspect_and_export_of_a_sharded_checkpoint_give_the_weights_of_the_run(
         assert main(["export", str(one), "--format", "minimind", "--out", str(tmp_path / "w.pth")]) == 0
     exported = torch.load(tmp_path / "w.pth", weights_only=True)
     folder = one / "checkpoints" / "step_00000007"
-    full = storage.read_tensors(folder, storage.verify(folder))
-    assert storage.model_sha256(full) == launch.sha_at(one, 7)
+    manifest = storage.verify(folder)
+    full = storage.read_tensors(folder, manifest)
+    assert storage.model_sha256(full, manifest["architecture"]) == launch.sha_at(one, 7)
     expected = to_llama(half_weights(full), lm_head=True)
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
 
@@ -155,7 +156,8 @@ def test_the_states_metadata_is_unpickled_by_an_explicit_allow_list_and_nothing_
     out = tmp_path / "run"
     assert launch.in_process(*fsdp, "train.steps=2", "checkpoint.interval=1", f"out_dir={out}")[0] == 0
     folder = out / "checkpoints" / "step_00000002"
-    assert storage.model_sha256(storage.read_tensors(folder, storage.verify(folder))) == launch.sha_at(out, 2)
+    manifest = storage.verify(folder)
+    assert storage.model_sha256(storage.read_tensors(folder, manifest), manifest["architecture"]) == launch.sha_at(out, 2)
     read, write = os.pipe()
     try:
         for payload, named in ((pickle.dumps(_Boom()), "posix.system"),

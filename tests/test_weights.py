@@ -240,7 +240,8 @@ def test_init_from_reads_our_run_and_checkpoint_folders_fp16_files_and_hf_folder
         model = MiniMindLM(fp32.cfg)
         record = weights.init_from(model, source)
         assert record["format"] == fmt and len(record["sha256"]) == 64
-        assert storage.model_sha256(model.state_dict()) == storage.model_sha256(expected.state_dict()), source
+        arch = fp32.cfg.architecture()
+        assert storage.model_sha256(model.state_dict(), arch) == storage.model_sha256(expected.state_dict(), arch), source
     other = MiniMindLM(ModelConfig(**{**fp32.cfg.__dict__, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="rope_theta 1000000.0 there, model.rope_theta=10000.0 here"):
         weights.init_from(other, tmp_path / "hf")

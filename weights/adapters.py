@@ -13,7 +13,7 @@ from checkpoint import storage
 from model.formats import WeightsError, check_fits, check_tensors
 from model.lora import LoRAConfig, is_adapter, minimind_name, peft_name, target_names
 
-from .sources import base_weights, read_bytes_of, verified_base
+from .sources import base_weights, pin, read_bytes_of, verified_base
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 LORA_KEY = "train.lora.init_from"
@@ -111,10 +111,10 @@ def lora_start(cfg, seed: int, lora: LoRAConfig, path: str, base: dict | None, r
     """What a LoRA run loads into its model before training: the base at `path` (the seeded init
     with none), on a resume (`base`: the checkpoint's record) refused unless it is the one the
     adapters were trained over, and a fresh run's adapters from train.lora.init_from. Returns (the
-    tensors to load, the base's source record, the adapters' record, the base's model_sha256)."""
+    tensors to load, the base's source record, the adapters' record, the base's pin: its identity)."""
     if base is not None:
-        state, record = verified_base(cfg, seed, path, base["sha256"], f"the adapters of {resumed_from}")
+        state, record = verified_base(cfg, seed, path, base, f"the adapters of {resumed_from}")
     else:
         state, record = base_weights(cfg, seed, path)
     adapters, source = read_adapters(lora.init_from, expected, lora, cfg) if lora.init_from and base is None else ({}, None)
-    return state | adapters, record, source, storage.model_sha256(state)
+    return state | adapters, record, source, pin(state, cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import storage
-from common.seeds import seed_all
+from common.seeds import generators_apart, seed_all
 from model import MiniMindLM, ModelConfig
 from model.formats import WeightsError, check_fits, check_tensors, from_llama, hf_differences, is_llama, llama_name
 from model.lora import LoRAConfig, is_adapter, merged
@@ -65,7 +65,7 @@ def base_weights(cfg: ModelConfig, seed: int, path: str) -> tuple[dict[str, torc
     with no path the seeded init of `seed` (drawn apart: the caller's generators are left as they were).
     Returns (weights, the source's record or None)."""
     if not path:
-        with torch.random.fork_rng(devices=[]):
+        with generators_apart():  # python's, numpy's and torch's generators as the run left them (docs/design.md I6)
             seed_all(seed)
             return MiniMindLM(cfg).state_dict(), None
     state, record = read_source(path, cfg)
@@ -80,25 +80,41 @@ def _base_shapes(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return MiniMindLM(cfg).state_dict()
 
 
-def verified_base(cfg: ModelConfig, seed: int, path: str, expected: str, whose: str, key: str = "train.lora",
+def identity(state: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
+    """The model's identity (docs/design.md "One model identity"): its weights and `cfg`'s architecture."""
+    return storage.model_sha256(state, cfg.architecture())
+
+
+def pin(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
+    """The record that pins a model (a LoRA base, a DPO or GRPO reference): its identity and the identity's version."""
+    return {"sha256": identity(state, cfg), "identity": storage.IDENTITY}
+
+
+def verified_base(cfg: ModelConfig, seed: int, path: str, pinned: dict, whose: str, key: str = "train.lora",
                   what: str = "base", names: str = "model.init_from") -> tuple[dict[str, torch.Tensor], dict | None]:
-    """`base_weights`, refused unless their model_sha256 is `expected`: a LoRA run's base, which
-    `whose` adapters were trained over, or (key, what, names) another pinned model's, e.g. DPO's reference."""
+    """`base_weights`, refused unless they are the model `pinned` (a `pin` record, or an earlier
+    release's {sha256}) names: a LoRA run's base, which `whose` adapters were trained over, or (key,
+    what, names) another pinned model's, e.g. DPO's reference."""
     state, record = base_weights(cfg, seed, path)
-    got = storage.model_sha256(state)
-    if got != expected:
+    same, got = storage.identity_matches(pinned, "sha256", state, cfg.architecture())
+    if not same:
         where = path or f"the seeded init of seed {seed}"
-        raise WeightsError(f"{key}: the {what} at {where} has weights sha256 {got}, but {whose} were trained over "
-                           f"sha256 {expected} ({names} names the {what}: give the one they were trained over)")
+        raise WeightsError(f"{key}: the {what} at {where} has identity {got}, but {whose} were trained over "
+                           f"identity {pinned.get('sha256')} ({names} names the {what}: give the one they were trained over)")
     return state, record
 
 
 def checkpoint_weights(path: Path) -> tuple[Path, dict, ModelConfig, dict[str, torch.Tensor]]:
     """(folder, manifest, model config, fp32 weights) of a checkpoint folder (or a run folder's newest
-    valid checkpoint); the weights assembled from every rank's state files, each verified. A LoRA
+    valid checkpoint); the weights assembled from every rank's state files, each verified, and their
+    identity the manifest's. A LoRA
     run's: its base (verified) with the adapters folded in."""
     folder, manifest, _ = storage.find_checkpoint(path)
     cfg, state = model_config(folder, manifest), storage.read_tensors(folder, manifest, "model.")
+    same, got = storage.identity_matches(manifest, "model_sha256", state, cfg.architecture())
+    if not same:  # what was read is not what was saved (docs/design.md "One model identity")
+        raise storage.CheckpointError(f"{folder}: the weights read have identity {got}, not the {manifest.get('model_sha256')} "
+                                      f"its manifest recorded at the save: the checkpoint is damaged")
     lora = lora_of(manifest)
     if lora.rank:
         base, _ = checkpoint_base(folder, manifest, cfg)
@@ -112,7 +128,7 @@ def checkpoint_base(folder: Path, manifest: dict, cfg: ModelConfig) -> tuple[dic
     if "sha256" not in base:
         raise storage.CheckpointError(f"{folder / storage.MANIFEST}: a LoRA checkpoint without the hash of its base")
     source = (base.get("init_from") or {}).get("path", "")
-    return verified_base(cfg, int(manifest["config"].get("seed", 0)), source, base["sha256"], f"the adapters of {folder}")
+    return verified_base(cfg, int(manifest["config"].get("seed", 0)), source, base, f"the adapters of {folder}")
 
 
 def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
@@ -141,7 +157,7 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
         # one was checked as it was read), and the weights' own sha256.
         listing = "".join(f"{k}:{e['sha256']}\n" for k, e in sorted(manifest["files"].items()) if k.startswith("state/"))
         record = {"path": str(folder.resolve()), "sha256": hashlib.sha256(listing.encode()).hexdigest(), "format": "checkpoint",
-                  "model_sha256": storage.model_sha256(state)}
+                  "model_sha256": identity(state, cfg)}
     else:
         data = read_bytes_of(path)
         if path.suffix == ".safetensors":
