@@ -204,12 +204,16 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
-def generate_text(model, prompt: str, max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0, tok=None,
-                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, use_cache: bool = True) -> str:
+def generate_text(model, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None, seed: int = 0, tok=None,
+                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                  use_cache: bool = True) -> str:
     """Continue the text `prompt` with `tok` (default: bytes): BOS + prompt, then sampled ids until
-    EOS or `max_new_tokens`; the decoded text, prompt included."""
+    EOS or `max_new_tokens`; the decoded text, prompt included. A setting left None is
+    model.generate.DEFAULTS' (chat's too)."""
     from data.tokenizer import ByteTokenizer
     from model.generate import generate_ids
+
+    temperature, top_k, top_p, repetition_penalty = _sampling(temperature, top_k, top_p, repetition_penalty)
 
     tok = tok or ByteTokenizer()
     ids = generate_ids(model, tok.encode(prompt, bos=True), max_new_tokens, temperature, top_k, top_p, repetition_penalty,
@@ -217,18 +221,42 @@ def generate_text(model, prompt: str, max_new_tokens: int | None = None, tempera
     return tok.decode(ids[1:])
 
 
-def chat_reply(model, tok, messages: list[dict], max_new_tokens: int | None = None, temperature: float = 0.8, seed: int = 0,
-               top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0) -> tuple[str, list[int]]:
+def chat_reply(model, tok, messages: list[dict], max_new_tokens: int | None = None, temperature: float | None = None, seed: int = 0,
+               top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None) -> tuple[str, list[int]]:
     """The assistant's next turn after `messages`: the conversation rendered with the tokenizer's chat
     template and its generation prompt (data/chat.py), then ids generated with the KV cache until the
-    tokenizer's EOS (`<|im_end|>`). Returns the reply's text (special tokens dropped) and its ids."""
+    tokenizer's EOS (`<|im_end|>`). Returns the reply's text (special tokens dropped) and its ids. A
+    setting left None is model.generate.DEFAULTS' (generate's too)."""
     from data.chat import template_of
     from model.generate import generate_ids
+
+    temperature, top_k, top_p, repetition_penalty = _sampling(temperature, top_k, top_p, repetition_penalty)
 
     prompt = tok.encode_rendered(template_of(tok).render(messages, add_generation_prompt=True))
     ids = generate_ids(model, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, tok.eos, True, seed)
     reply = ids[len(prompt):]
     return tok.decode(reply), reply
+
+
+def _sampling(temperature, top_k, top_p, repetition_penalty) -> tuple[float, int, float, float]:
+    """The settings given, each one left None taken from model.generate.DEFAULTS."""
+    from model.generate import DEFAULTS
+
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty}
+    return tuple(getattr(DEFAULTS, k) if v is None else v for k, v in given.items())
+
+
+def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of `generate` and `chat`: one set, with model.generate.DEFAULTS' defaults."""
+    from model.generate import DEFAULTS
+
+    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help=f"0: greedy (default {DEFAULTS.temperature:g})")
+    p.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help=f"sample from the k likeliest ids (0: all; default {DEFAULTS.top_k})")
+    p.add_argument("--top-p", type=float, default=DEFAULTS.top_p,
+                   help=f"sample from the smallest set of ids holding this probability (1: all; default {DEFAULTS.top_p:g})")
+    p.add_argument("--repetition-penalty", type=float, default=DEFAULTS.repetition_penalty,
+                   help=f"> 1 discourages ids already in the text (1: none; default {DEFAULTS.repetition_penalty:g})")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed: the same seed, the same text")
 
 
 def chat(args) -> int:
@@ -274,31 +302,29 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
     g.add_argument("--prompt", default="Return the ")
     g.add_argument("--tokens", type=int, default=None, help="new tokens at most (default: up to model.seq_len positions)")
-    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest ids (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this probability")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages ids already in the text")
+    _sampling_arguments(g)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow; for checks)")
-    g.add_argument("--seed", type=int, default=0)
     ch = sub.add_parser("chat", help="talk to a fine-tuned run: the tokenizer's chat template, generation until <|im_end|>")
     ch.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
     ch.add_argument("--prompt", help="one user turn: print the reply and exit (default: interactive, the history kept)")
     ch.add_argument("--system", help="a system turn in front of the conversation")
     ch.add_argument("--tokens", type=int, default=None, help="new tokens per reply at most (default: up to model.seq_len positions)")
-    ch.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    ch.add_argument("--top-k", type=int, default=0)
-    ch.add_argument("--top-p", type=float, default=1.0)
-    ch.add_argument("--repetition-penalty", type=float, default=1.0)
-    ch.add_argument("--seed", type=int, default=0)
+    _sampling_arguments(ch)
     e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf; a LoRA run's "
                                           "merged), or a LoRA run's adapters for PEFT (--format peft)")
     e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
     e.add_argument("--format", required=True, choices=("minimind", "hf", "peft"))
-    e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf) to create")
+    e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf, peft) to create")
+    e.add_argument("--base", metavar="NAME", help="peft: the adapter_config.json's base_model_name_or_path, as PEFT should load "
+                                                  "the base (a Hub name, a path); default: --with-base's folder, else the base "
+                                                  "run's path relative to the adapter folder")
+    e.add_argument("--with-base", action="store_true", help="peft: write the base's Hugging Face export inside the adapter "
+                                                             "folder (OUT/base), named by a relative base_model_name_or_path")
     pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
     pl.add_argument("runs", type=Path, nargs="+")
     pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
-    st = sub.add_parser("status", help="print the run's state (status.json) and who holds the run folder")
+    st = sub.add_parser("status", help="where the run is (JSON): state, step, the loss or the objective's figure, tokens/s, "
+                                       "the last checkpoint, an ETA, who holds the folder")
     st.add_argument("run", type=Path)
     st.add_argument("--exit-code", action="store_true",
                     help="wait until no process holds the folder, then exit with the run's exit code (75: stopped, resume me)")
@@ -343,7 +369,10 @@ def _run(argv: list[str] | None) -> int:
             from weights import export
 
             try:
-                print(f"wrote {export(args.path, args.format, args.out)}")
+                print(f"wrote {export(args.path, args.format, args.out, args.base, args.with_base)}")
+                if args.format == "peft" and args.base is None and not args.with_base:
+                    print("export: base_model_name_or_path names the base run's checkpoint, which PEFT does not read; give "
+                          "--with-base (its Hugging Face export inside the folder) or --base NAME (docs/lora.md)", file=sys.stderr)
             except OSError as err:
                 raise OSError(err.errno, f"{err.strerror}; nothing was written", err.filename or str(args.out)) from None
             return 0

@@ -3,9 +3,29 @@ ids generated one position at a time with a KV cache, under inference mode. Text
 around it are the commands' (cli/)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .model import KVCache, MiniMindLM
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next id is picked: temperature (0: greedy), top-k (0: all ids), top-p (1: all),
+    repetition penalty (1: none)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+
+
+DEFAULTS = Sampling(temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1)
+"""The one set of defaults of `chat` and `generate` (and of generate_ids): a sampling default with
+a repetition penalty, so that a small model does not repeat one phrase to the limit as greedy
+decoding makes it; `--temperature 0` asks for greedy (the penalty still applies; 1 turns it off).
+Deterministic given the seed."""
 
 
 def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
@@ -51,8 +71,9 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
 
 
 @torch.inference_mode()
-def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.8,
-                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, eos: int | None = None,
+def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
+                 temperature: float = DEFAULTS.temperature, top_k: int = DEFAULTS.top_k, top_p: float = DEFAULTS.top_p,
+                 repetition_penalty: float = DEFAULTS.repetition_penalty, eos: int | None = None,
                  use_cache: bool = True, seed: int = 0) -> list[int]:
     """`prompt` and up to `max_new_tokens` generated ids (default: up to model.seq_len positions),
     ending early at `eos` (not included). With `use_cache`, each new id costs one position's forward

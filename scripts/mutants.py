@@ -265,6 +265,20 @@ MUTANTS = (
     Mutant("convert-keys-not-filled", "a converted record has every key added since, at the old release's behaviour",
            "cli/convert.py", "    return fill(config, to_dict(Config()), \"\"), filled\n", "    return dict(config), filled\n",
            ("tests/test_convert.py::test_a_run_the_previous_release_wrote_converts_and_resumes_to_the_uninterrupted_runs_bits",)),
+    Mutant("peft-base-absolute", "a PEFT adapter names its base relative to its folder or as the user gives it, never by an absolute path (docs/lora.md)",
+           "weights/exports.py", "    return os.path.relpath(source, os.path.abspath(out)) if source else None\n", "    return source\n",
+           ("tests/test_exports.py::test_export_peft_names_its_base_relative_to_the_adapter_folder_or_as_given_never_as_an_absolute_path",)),
+    Mutant("peft-with-base-absolute", "an adapter exported with its base loads through AutoPeftModelForCausalLM after the folder moves (docs/lora.md)",
+           "weights/exports.py", "    if with_base:\n        return BASE_FOLDER\n",
+           "    if with_base:\n        return os.path.join(os.path.abspath(out), BASE_FOLDER)\n",
+           ("tests/test_exports.py::test_a_peft_adapter_exported_with_its_base_loads_through_autopeftmodel_after_the_folder_moves",)),
+    Mutant("export-without-tokenizer", "the Hugging Face export carries a tokenizer AutoTokenizer loads, the byte tokenizer's included (docs/weights.md)",
+           "weights/exports.py", "    return dict(files) if tokenizers.TOKENIZER_FILE in files else tokenizers.byte_tokenizer_files(seq_len)\n",
+           "    return dict(files)\n",
+           ("tests/test_exports.py::test_the_hf_export_of_a_byte_tokenizer_run_carries_a_tokenizer_autotokenizer_loads_with_our_ids_and_chat_template",)),
+    Mutant("chat-sampling-defaults-split", "chat and generate share one set of sampling defaults (docs/sft.md)",
+           "cli/__init__.py", "    _sampling_arguments(ch)\n", "    _sampling_arguments(ch)\n    ch.set_defaults(temperature=0.0)\n",
+           ("tests/test_exports.py::test_chat_and_generate_have_one_set_of_sampling_defaults_a_sampling_one_with_a_repetition_penalty",)),
 )
 
 

@@ -260,6 +260,7 @@ def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf
 
     from cli import main as checkpoint_main
     from cli import chat_reply
+    from model.generate import DEFAULTS
     from weights import load_model, load_tokenizer
 
     out = tmp_path / "run"
@@ -270,7 +271,7 @@ def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf
     text, ids = chat_reply(load_model(out), load_tokenizer(out), messages, max_new_tokens=24, temperature=0.0)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-        assert checkpoint_main(["chat", str(out), "--prompt", messages[0]["content"], "--tokens", "24"]) == 0
+        assert checkpoint_main(["chat", str(out), "--prompt", messages[0]["content"], "--tokens", "24", "--temperature", "0"]) == 0
     assert printed.getvalue() == text + "\n"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert checkpoint_main(["export", str(out), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
@@ -280,7 +281,8 @@ def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf
     prompt = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     start = hf_tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        generated = model.generate(start, max_new_tokens=24, do_sample=False)[0, start.shape[1]:].tolist()
+        generated = model.generate(start, max_new_tokens=24, do_sample=False,  # with chat's repetition penalty: HF's rule
+                                   repetition_penalty=DEFAULTS.repetition_penalty)[0, start.shape[1]:].tolist()
     eos = load_tokenizer(out).eos
     assert ids and generated[: len(ids)] == ids and (len(ids) == 24 or generated[len(ids)] == eos)
 

@@ -6,7 +6,8 @@ PAD (256-258). `data.tokenizer: PATH/tokenizer.json` (MiniMind's, or one trained
 `tokenizer_config.json` beside it (`bos_token`, `eos_token`, `pad_token`, as Hugging Face keeps
 them), never guessed. A tokenizer's `name` is its identity in the data fingerprint: "bytes-v1", or
 the sha256 of the file and the three special ids, so a different file or a different reading of it
-is a different corpus.
+is a different corpus. `byte_tokenizer_files` writes the byte tokenizer as Hugging Face files
+(a byte-level model without merges) for the exports, with the same ids.
 """
 from __future__ import annotations
 
@@ -102,6 +103,34 @@ class ByteTokenizer:
         """BOS + ids + EOS of every text, concatenated (uint16), without a Python loop per byte."""
         encoded = [t.encode("utf-8") for t in texts]
         return frame(np.frombuffer(b"".join(encoded), dtype=np.uint8), list(map(len, encoded)), BOS, EOS, np.uint16)
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character that byte-level `tokenizers` models (GPT-2's scheme) use for each byte
+    0-255: printable Latin-1 bytes stand for themselves, the rest for 256 + their rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def byte_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
+    """The byte tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json) that
+    transformers' AutoTokenizer loads: a byte-level BPE with the 256 bytes as ids 0-255 and no
+    merges, BOS, EOS and PAD as special tokens 256-258 with ChatML's texts, and the ChatML chat
+    template. Its ids equal ByteTokenizer's on any text (encode) and rendered conversation
+    (encode_rendered); the same bytes every time."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={s: b for b, s in enumerate(_byte_symbols())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # no merges: no splitting needed
+    tok.decoder = decoders.ByteLevel()
+    texts = ByteTokenizer.special_texts
+    tok.add_special_tokens([AddedToken(texts[k], special=True, normalized=False) for k in ("bos_token", "eos_token", "pad_token")])
+    if [tok.token_to_id(texts[k]) for k in ("bos_token", "eos_token", "pad_token")] != [BOS, EOS, PAD]:
+        raise AssertionError("the byte tokenizer's special ids moved")  # a change of the library, caught before writing
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **texts, "add_bos_token": False, "add_eos_token": False,
+              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False, "chat_template": CHATML}
+    return {TOKENIZER_FILE: (tok.to_str(pretty=True) + "\n").encode(), CONFIG_FILE: (json.dumps(config, indent=1) + "\n").encode()}
 
 
 class FileTokenizer:
