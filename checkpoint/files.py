@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,37 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from common.outcome import Failed
 
-class FileError(RuntimeError):
-    """A file of a checkpoint that cannot be used (unlisted, damaged, refused); storage turns it
-    into a CheckpointError naming it."""
+
+class CheckpointError(Failed):
+    """A checkpoint that cannot be used; the message names the folder or file and what failed.
+    The one class of "this checkpoint is unusable": every error a damaged, truncated, forged or
+    linked step folder raises while it is found, verified or loaded is one (a run falls back to
+    the previous checkpoint, a tool exits 1). storage.CheckpointMismatch, a sound checkpoint that
+    does not fit this run's settings, derives from it and is bad input instead."""
+
+
+class FileError(CheckpointError):
+    """A file of a checkpoint that cannot be used (unlisted, damaged, refused, a link)."""
+
+
+def no_follow(path, flags: int) -> int:
+    """An `opener` for open(): the file itself, never what a symbolic link in its place points to."""
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def refuse_links(folder: Path, name: str = "") -> None:
+    """`folder` and every part of `name` below it (a path relative to it) is no symbolic link:
+    nothing of a checkpoint is ever followed through a link (read, verified or deleted)."""
+    path = Path(folder)
+    for part in ("", *Path(name).parts):
+        path = path / part if part else path
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                raise FileError(f"{path}: a symbolic link; nothing in a checkpoint is followed through links (refused)")
+        except FileNotFoundError:
+            return  # the caller reports what is missing
 
 
 _OVERLAP = 1 << 20  # buffers from this size on are hashed in a second thread while they are written
@@ -125,8 +153,9 @@ def verified_bytes(folder: Path, name: str, entries: dict[str, dict]) -> bytes:
     entry, path = entries.get(name), Path(folder) / name
     if entry is None:
         raise FileError(f"{path}: not listed in the manifest; only what the manifest vouches for is read")
+    refuse_links(folder, name)
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=no_follow) as f:  # a link put there since is not followed either
             data = f.read()
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None

@@ -15,8 +15,12 @@ hands every file's entry to the caller's `publish` (the manifest and the rename:
 Reading (`Reader`). Each file a rank needs is read once, whole, and used only if its size and
 sha256 are the manifest's; the metadata is unpickled by an allow-list of DCP's own metadata classes
 (each looked up only in the module that defines it), torch's sizes, dtypes and layouts, and plain
-containers: nothing else is looked up, nothing in it runs. Non-tensor items and tensors are read
-with `torch.load(weights_only=True)`.
+containers: nothing else is looked up, nothing in it runs. Then it is checked against the files it
+points into before anything is allocated (`check_metadata`): every tensor's chunks cover it exactly
+once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file and no two
+overlap, so every size it states is bounded by the bytes on disk. Non-tensor items and tensors are
+read with `torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed)
+records, and a tensor is used only with the shape and dtype the metadata gave its chunk.
 
 The files are DCP's own, so a step folder's `state/` is also a checkpoint stock DCP reads
 (`torch.distributed.checkpoint.load`, `format_utils.dcp_to_torch_save`). Nothing here knows a model.
@@ -24,12 +28,15 @@ The files are DCP's own, so a step folder's `state/` is also a checkpoint stock 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import io
+import math
 import os
 import pickle
 import uuid
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as serialization_config
 
-from .files import FileError, HashingWriter, verified_bytes, write_file
+from .files import FileError, HashingWriter, no_follow, refuse_links, verified_bytes, write_file
 
 STATE = "state"
 """The sub-folder of a step folder that holds DCP's files."""
@@ -48,7 +55,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class FormatError(FileError):
-    """A state file that cannot be used (unlisted, damaged, refused); storage turns it into CheckpointError."""
+    """A state file that cannot be used (unlisted, damaged, forged, refused): a CheckpointError."""
 
 
 def errors() -> tuple[type[BaseException], ...]:
@@ -90,17 +97,130 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      f"built (loading never runs code)")
 
 
-def read_metadata(data: bytes, path: Path):
-    """DCP's Metadata from the bytes of a `.metadata` file, through the allow-list."""
+def read_metadata(data: bytes, path: Path, entries: dict[str, dict] | None = None, sub: str = STATE):
+    """DCP's Metadata from the bytes of a `.metadata` file, through the allow-list; with the
+    manifest's `entries`, also checked against the files it points into (check_metadata)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, ImportError) as e:
-        raise FormatError(f"{path}: {e}") from None
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
+    except Exception as e:  # noqa: BLE001 - whatever damaged bytes make the unpickler raise: a damaged file
+        raise FormatError(f"{path}: does not unpickle as DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict) \
+            or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise FormatError(f"{path}: not DCP metadata ({type(metadata).__name__})")
+    if entries is not None:
+        check_metadata(metadata, entries, path, sub)
     return metadata
+
+
+def _count(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _overlap(a, b) -> bool:
+    """Do two chunks (offsets, sizes) share an element?"""
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1])) and \
+        math.prod(a[1]) > 0 and math.prod(b[1]) > 0
+
+
+def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = STATE) -> None:
+    """DCP's metadata against the manifest's `entries`, before anything is allocated from it
+    (FormatError naming the item, else nothing):
+
+    - every tensor's size is non-negative integers, its dtype a torch dtype, and its chunks cover
+      it exactly once: each inside it, no two sharing an element, their elements summing to its;
+    - every chunk and every bytes item has its bytes recorded, in a file the manifest lists, inside
+      that file, no two items' bytes overlapping, and a chunk's bytes hold at least its elements.
+
+    So no uncovered element is left as it was (fresh-init or uninitialised memory), and every size
+    is bounded by the bytes on disk (a forged size allocates nothing)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorStorageMetadata)
+
+    def bad(what: str):
+        raise FormatError(f"{path}: {what} (a damaged or forged checkpoint)")
+
+    sizes = {name[len(sub) + 1:]: e["bytes"] for name, e in entries.items() if name.startswith(f"{sub}/")}
+    regions: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) or not isinstance(index.fqn, str):
+            bad(f"a storage entry of type {type(index).__name__} -> {type(info).__name__}")
+        rel, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or rel not in sizes:
+            bad(f"{index.fqn} lies in {rel!r}, which the manifest does not list")
+        if not _count(offset) or not _count(length) or offset + length > sizes[rel]:
+            bad(f"{index.fqn} lies at bytes {offset!r}+{length!r} of {sub}/{rel}, which holds {sizes[rel]}")
+        if getattr(info, "transform_descriptors", None):
+            bad(f"{index.fqn} is stored transformed ({info.transform_descriptors!r}); this reader reads plain items only")
+        regions.setdefault(rel, []).append((offset, length, index.fqn))
+    for rel, spans in regions.items():
+        spans.sort()
+        for (o1, l1, f1), (o2, _, f2) in zip(spans, spans[1:]):
+            if o2 < o1 + l1:
+                bad(f"the bytes of {f1} and {f2} overlap in {sub}/{rel}")
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            bad(f"an item named {fqn!r}")
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in metadata.storage_data:
+                bad(f"{fqn}: no bytes recorded for it")
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            bad(f"{fqn}: an item of type {type(md).__name__}")
+        size, dtype, chunks = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None), getattr(md, "chunks", None)
+        if not isinstance(size, tuple) or not all(_count(n) for n in size) or not isinstance(dtype, torch.dtype) \
+                or not isinstance(chunks, list):
+            bad(f"{fqn}: size {size!r}, dtype {dtype!r}, chunks of type {type(chunks).__name__}")
+        boxes = []
+        for chunk in chunks:
+            offsets, lengths = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if not isinstance(chunk, ChunkStorageMetadata) or not isinstance(offsets, tuple) or not isinstance(lengths, tuple) \
+                    or len(offsets) != len(size) or len(lengths) != len(size) \
+                    or not all(_count(o) and _count(n) and o + n <= dim for o, n, dim in zip(offsets, lengths, size)):
+                bad(f"{fqn}: a chunk at {offsets!r} of sizes {lengths!r}, not inside its size {tuple(size)}")
+            info = metadata.storage_data.get(MetadataIndex(fqn, offsets))
+            if info is None:
+                bad(f"{fqn}: no bytes recorded for its chunk at {tuple(offsets)}")
+            if math.prod(lengths) * dtype.itemsize > info.length:
+                bad(f"{fqn}: its chunk at {tuple(offsets)} has {math.prod(lengths)} elements of {dtype}, more than its "
+                    f"{info.length} bytes hold")
+            boxes.append((tuple(offsets), tuple(lengths)))
+        if sum(math.prod(b[1]) for b in boxes) != math.prod(size):
+            bad(f"{fqn}: its chunks hold {sum(math.prod(b[1]) for b in boxes)} elements, its size {tuple(size)} "
+                f"{math.prod(size)}: the chunks do not cover it exactly once")
+        boxes.sort()
+        active: list = []  # a sweep along the first dimension: only chunks whose rows meet are compared
+        for box in boxes:
+            if not box[0]:
+                break  # a 0-d tensor: one chunk of one element (the sum says so)
+            active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
+            for other in active:
+                if _overlap(box, other):
+                    bad(f"{fqn}: its chunks at {other[0]} and {box[0]} overlap: the chunks do not cover it exactly once")
+            active.append(box)
+
+
+def structure_mismatches(state: dict, metadata) -> list[str]:
+    """What of `state` (the structure a load fills) the checkpoint does not hold as it is here:
+    a key it lacks, a tensor of another size, a tensor where it holds bytes or the other way round,
+    each naming the flattened key. A sound checkpoint that does not fit this run's settings."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = []
+    for fqn, obj in flatten_state_dict(state)[0].items():
+        md = metadata.state_dict_metadata.get(fqn)
+        here_tensor = isinstance(obj, torch.Tensor)
+        if md is None:
+            out.append(f"{fqn} is not in the checkpoint")
+        elif isinstance(md, TensorStorageMetadata) != here_tensor:
+            out.append(f"{fqn} is {'a tensor' if here_tensor else type(obj).__name__} in this run, "
+                       f"{'a tensor' if isinstance(md, TensorStorageMetadata) else 'not a tensor'} in the checkpoint")
+        elif here_tensor and tuple(md.size) != tuple(obj.size()):
+            out.append(f"{fqn} is {tuple(md.size)} in the checkpoint, {tuple(obj.size())} in this run")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -140,8 +260,10 @@ def _write_items(path: Path, relative: str, items: list, planner) -> tuple[list,
                                            storage_data=_StorageInfo(relative, offset, w.size - offset)))
             f.flush()
             os.fsync(f.fileno())
-        except OSError as e:  # torch's zip writer hides the real error ("unexpected pos"): name it and the file
-            real = w.error or e
+        except Exception as e:  # torch's zip writer hides the real error (a RuntimeError, "unexpected pos"): name it and the file
+            real = w.error if w.error is not None else e if isinstance(e, OSError) else None
+            if real is None:
+                raise
             raise OSError(real.errno, real.strerror or str(real), str(path)) from e
     return results, {"bytes": w.size, "sha256": w.sha.hexdigest()}
 
@@ -191,6 +313,7 @@ def _writer_class():
             entries: dict[str, dict] = {}
             for part in results:
                 entries.update(getattr(part, "files", {}))
+            check_written(self.folder, entries, own=f"{STATE}/__{self.rank}_0.distcp")
             metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
             metadata.storage_meta = StorageMeta(checkpoint_id=None, save_id=self.save_id)
             entries[f"{STATE}/{METADATA}"] = write_file(self.folder / STATE / METADATA, pickle.dumps(metadata))
@@ -207,6 +330,29 @@ def _writer_class():
             return True
 
     return Writer
+
+
+def check_written(folder: Path, entries: dict[str, dict], own: str) -> None:
+    """The coordinator, before it publishes: every file another rank said it wrote is in `folder`
+    here, a plain file (no link) of the size and sha256 it listed; FormatError naming it otherwise
+    (ranks on nodes that do not share `folder` would publish checkpoints that never verify)."""
+    for name, entry in sorted(entries.items()):
+        if name == own:
+            continue  # written and hashed by this process a moment ago
+        path = Path(folder) / name
+        try:
+            refuse_links(folder, name)
+            with open(path, "rb", opener=no_follow) as f:
+                sha, size = hashlib.sha256(), 0
+                while block := f.read(1 << 22):
+                    sha.update(block)
+                    size += len(block)
+        except OSError as e:
+            raise FormatError(f"{path}: written by another rank, but {e.strerror or e} here (is {folder} on a filesystem "
+                              f"every node shares?); not published") from None
+        if size != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
+            raise FormatError(f"{path}: another rank wrote {entry['bytes']} bytes of sha256 {entry['sha256'][:12]}..., "
+                              f"here it holds {size} bytes of sha256 {sha.hexdigest()[:12]}...; not published")
 
 
 def save(state: dict, folder: Path, publish: Callable[[dict, Any], None] | None, group=None, no_dist: bool = False):
@@ -227,12 +373,25 @@ def _load_item(data: io.BytesIO, where: str):
     and containers is refused naming it (torch's own message suggests weights_only=False: never)."""
     import re
 
+    size = data.getbuffer().nbytes
+    try:
+        with zipfile.ZipFile(data) as z:
+            records = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise FormatError(f"{where}: not a torch.save zip archive ({e})") from None
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED or r.file_size > size:
+            raise FormatError(f"{where}: its record {r.filename} is compressed ({r.compress_type}) or larger than the item "
+                              f"({r.file_size} of {size} bytes); only stored records are read (a small item must not inflate)")
+    data.seek(0)
     try:
         return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL [\w.]+", str(e))
         raise FormatError(f"{where}: not a plain checkpoint: it needs pickled objects beyond tensors and containers; refused "
                           f"without running them{f' (Unsupported {found.group(0)})' if found else ''}") from None
+    except Exception as e:  # noqa: BLE001 - damaged bytes inside a verified file (a forged manifest): a damaged item
+        raise FormatError(f"{where}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -265,6 +424,8 @@ def _reader_classes():
 
         def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
             self.storage_data = metadata.storage_data
+            self.chunks = {(fqn, tuple(c.offsets)): (tuple(c.sizes), md.properties.dtype)
+                           for fqn, md in metadata.state_dict_metadata.items() for c in getattr(md, "chunks", ())}
 
         def prepare_local_plan(self, plan):
             return plan
@@ -287,7 +448,12 @@ def _reader_classes():
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(piece.getvalue()), where)
                         continue
-                    tensor = _narrow(_load_item(piece, where), req.storage_offsets, req.lengths)
+                    tensor = _load_item(piece, where)
+                    shape, dtype = self.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+                    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                        raise FormatError(f"{where}: holds {type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))} "
+                                          f"{getattr(tensor, 'dtype', '')}, its metadata says a {dtype} chunk of {shape}")
+                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise FormatError(f"{self.folder / self.sub / relative}: {req.storage_index.fqn} is {tuple(tensor.size())} "
@@ -323,6 +489,7 @@ def load(state: dict, folder: Path, entries: dict[str, dict], metadata, group=No
     that does not verify on any rank raises on every rank (DCP gathers the failures)."""
     import torch.distributed.checkpoint as dcp
 
+    check_metadata(metadata, entries, Path(folder) / sub / METADATA, sub)  # every rank alike, before DCP allocates
     reader_cls, planner_cls = _reader_classes()
     dcp.load(state, storage_reader=reader_cls(folder, entries, metadata, sub), planner=planner_cls(), process_group=group,
              no_dist=no_dist)
@@ -345,6 +512,7 @@ def read_tensors(folder: Path, entries: dict[str, dict], metadata, prefix: str) 
     without a process group: the shapes from the metadata, the values from every rank's files."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    check_metadata(metadata, entries, Path(folder) / STATE / METADATA)  # its sizes bounded by the files before any is allocated
     state = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     return load({prefix.rstrip("."): state}, folder, entries, metadata, no_dist=True)[prefix.rstrip(".")]

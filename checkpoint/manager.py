@@ -171,7 +171,7 @@ def dcp_failure(e: BaseException, what: str) -> storage.CheckpointError:
         return e if isinstance(e, storage.CheckpointError) else storage.CheckpointError(f"{what}: {type(e).__name__}: {e}")
     rank = min(failures)
     err = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-    text = str(err) if isinstance(err, (storage.CheckpointError, format.FormatError)) else f"{type(err).__name__}: {err}"
+    text = str(err) if isinstance(err, storage.CheckpointError) else f"{type(err).__name__}: {err}"
     more = f" (and on {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
     out = storage.CheckpointError(f"{what}: {text}{more}")
     out.failed_rank = rank
@@ -225,9 +225,10 @@ class CheckpointManager:
         self._staged = None
 
     # ---------------------------------------------------------------- load
-    def _candidates(self) -> list[tuple[str, dict | None, str | None]]:
-        """Rank 0: the checkpoints to try, in order, per checkpoint.resume: (folder, manifest, None),
-        or (folder, None, why it cannot be used). Files present with their sizes; nothing hashed yet."""
+    def _candidates(self) -> list[tuple[str, dict | None, str | None, bool]]:
+        """Rank 0: the checkpoints to try, in order, per checkpoint.resume: (folder, manifest, None, False),
+        or (folder, None, why it cannot be used, whether it is of the earlier layout). Files present
+        with their sizes, no link in them; nothing hashed yet."""
         mode = self.cfg.resume
         if (self.root / CONVERT_JOURNAL).exists():
             raise storage.CheckpointMismatch(
@@ -253,9 +254,9 @@ class CheckpointManager:
         out = []
         for folder in folders:
             try:
-                out.append((str(folder), storage.listed_files_present(folder), None))
+                out.append((str(folder), storage.listed_files_present(folder), None, False))
             except storage.CheckpointError as e:
-                out.append((str(folder), None, str(e)))
+                out.append((str(folder), None, str(e), isinstance(e, storage.OldLayout)))
         return out
 
     @torch.no_grad()
@@ -282,13 +283,17 @@ class CheckpointManager:
         if "error" in found:
             raise (storage.CheckpointMismatch if found["mismatch"] else storage.CheckpointError)(found["error"])
         explicit, faults = self.cfg.resume != "auto", []
-        for folder, manifest, why in found["candidates"]:
+        for folder, manifest, why, old_layout in found["candidates"]:
             path = Path(folder)
+            if old_layout:  # newer than any checkpoint that loads: converting it is the way on, not an older step (exit 2)
+                raise storage.OldLayout(why)
             if manifest is not None:
                 self._check_compatible(path, manifest)  # the same manifest on every rank: all raise alike
                 try:
                     self._load_from(path, manifest, states)
-                except storage.CheckpointError as e:
+                except storage.CheckpointMismatch:
+                    raise  # sound, but not this run's: bad input on every rank alike, no fallback
+                except storage.CheckpointError as e:  # unusable, whatever was damaged: the previous one is tried
                     why = str(e)
             if why is None:
                 for bad in faults:  # newer than the one used: reported, never silently passed over
@@ -307,21 +312,22 @@ class CheckpointManager:
         return None
 
     def _load_from(self, path: Path, manifest: dict, states: dict[str, Stateful]) -> None:
-        """Every rank: fill `states` from the checkpoint at `path` (CheckpointError on every rank alike)."""
+        """Every rank: fill `states` from the checkpoint at `path`. Raises on every rank alike:
+        CheckpointMismatch when the checkpoint holds another structure than this run's (naming each
+        key), CheckpointError when anything of it is unusable (damaged, forged, a link)."""
         meta_name = f"{format.STATE}/{format.METADATA}"
         data: Any = None
         if self.comm.is_main:
             try:
                 data = format.verified_bytes(path, meta_name, manifest["files"])
-            except format.FormatError as e:
+            except storage.CheckpointError as e:
                 data = {"error": str(e)}
-        data = self.comm.broadcast(data)  # rank 0 read and verified it; every rank unpickles the same bytes
-        try:
-            if isinstance(data, dict):
-                raise format.FormatError(data["error"])
-            metadata = format.read_metadata(data, path / meta_name)
-        except format.FormatError as e:
-            raise storage.CheckpointError(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - rank 0 alone: brought to every rank, not raised here
+                data = {"error": f"{path / meta_name}: cannot be read ({type(e).__name__}: {e})"}
+        data = self.comm.broadcast(data)  # rank 0 read and verified it; every rank unpickles and checks the same bytes
+        if isinstance(data, dict):
+            raise storage.CheckpointError(data["error"])
+        metadata = format.read_metadata(data, path / meta_name, manifest["files"])  # chunk coverage and bounds checked
         target = {}
         for name, obj in states.items():
             if format.has(metadata, name):
@@ -333,6 +339,14 @@ class CheckpointManager:
         mine = f"rng.{self.comm.rank}"
         if mine in format.keys(metadata):
             target["rng"] = {str(self.comm.rank): b""}
+        # A structure DCP could not fill (a key it lacks, another size): named, agreed, before any read.
+        misfits = self.comm.all_gather(format.structure_mismatches(target, metadata))
+        if any(misfits):
+            changed = [f"{label} {lookup(manifest, d)} -> {lookup(self.meta.record(), d)}" for d, (label, _) in self.meta.may_change.items()
+                       if lookup(manifest, d) is not None and lookup(manifest, d) != lookup(self.meta.record(), d)]
+            since = f" (changed since the checkpoint: {', '.join(changed)})" if changed else ""
+            raise storage.CheckpointMismatch(
+                f"{path}: its states do not fit this run's: {'; '.join(next(m for m in misfits if m)[:8])}{since}; nothing was loaded")
         try:
             format.load(target, path, manifest["files"], metadata, **self._dcp())
         except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike

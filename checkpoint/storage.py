@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from common.files import fsync_path
-from common.outcome import BadInput, Failed
+from common.outcome import BadInput
 
-from .files import FileError, write_file
+from .files import CheckpointError, FileError, refuse_links, write_file
 from .format import METADATA, STATE
 
 CHECKPOINTS = "checkpoints"
@@ -54,17 +54,14 @@ MOVED_ASIDE = "moved_aside"
 verify, found where a new checkpoint of its step goes), kept whole under their name and the time."""
 
 
-class CheckpointError(Failed):
-    """A checkpoint that cannot be used; the message names the folder or file and what failed."""
-
-
 class CheckpointMismatch(CheckpointError, BadInput):
     """The checkpoints are sound but this run's settings do not fit them (another model, corpus,
     seed or global batch; resume=never over existing checkpoints): bad input, exit 2 not 1."""
 
 
-class OldLayout(CheckpointError):
-    """A checkpoint of the earlier layout (manifest format 1): `python -m checkpoint convert` turns it into this one."""
+class OldLayout(CheckpointError, BadInput):
+    """A checkpoint of the earlier layout (manifest format 1): `python -m checkpoint convert` turns
+    it into this one. Bad input (exit 2): a rerun changes nothing, the conversion does."""
 
 
 def step_dir_name(step: int) -> str:
@@ -164,7 +161,9 @@ def set_aside(root: Path, folder: Path, name: str) -> Path:
 def retire(folder: Path) -> list[str]:
     """Delete a verified checkpoint's own files: its manifest first (from then on it is no
     checkpoint), then each file the manifest listed, then the folder if nothing else is in it.
-    Returns the names of what was left (files a user put there), never touched."""
+    Returns the names of what was left (files a user put there), never touched. A folder with a
+    symbolic link in it (itself, its state/, a file) is refused before anything is deleted."""
+    no_links(folder)
     body = read_manifest(folder)
     (folder / MANIFEST).unlink()
     for name in body["files"]:
@@ -290,7 +289,12 @@ def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
         valid.append(p)
     removed = []
     for p in reversed(valid[keep:]):
-        left = retire(p)
+        try:
+            left = retire(p)
+        except CheckpointError as e:  # e.g. a link put in it since it was published: nothing deleted, nothing followed
+            log.warning("not pruning %s: %s; left for you to inspect", p, e)
+            owned.discard(p)
+            continue
         if left:
             log.warning("pruned the checkpoint files of %s; left it there with what the trainer did not write: %s", p, ", ".join(left))
         owned.discard(p)
@@ -348,11 +352,22 @@ def verify(folder: Path, only=None, foreign_ok: bool = False) -> dict:
     return body
 
 
+def no_links(folder: Path) -> None:
+    """Neither `folder`, nor its state/, nor anything in either is a symbolic link (CheckpointError
+    naming it): a step folder is read, verified, replaced and retired without following a link."""
+    refuse_links(folder)
+    for sub in (folder, folder / STATE):
+        if sub.is_dir() and not sub.is_symlink():
+            for p in sub.iterdir():
+                refuse_links(p)
+        else:
+            refuse_links(sub)
+
+
 def listed_files_present(folder: Path, foreign_ok: bool = False) -> dict:
-    """The manifest of `folder` (not a link), once every file it lists is there with its size and
-    (unless `foreign_ok`) nothing else is in the folder or its state/."""
-    if folder.is_symlink():
-        raise CheckpointError(f"{folder}: a symbolic link; checkpoints are never followed through links")
+    """The manifest of `folder`, once nothing in it is a link (no_links), every file it lists is
+    there with its size and (unless `foreign_ok`) nothing else is in the folder or its state/."""
+    no_links(folder)
     body = read_manifest(folder)
     check_files(folder, body)
     if not foreign_ok:
