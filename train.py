@@ -259,7 +259,10 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
             group["lr"] = lr
         indices = sampler.step_indices(s)
         run.objective.begin_step(indices, step)
-        run.objective.prepare(run.model, micro_batches, rt, protocol.agree)  # GRPO's rollout, agreed
+        if run.objective.prepare(run.model, micro_batches, rt, protocol.agree, stop) == "stopped":  # GRPO's rollout, agreed
+            end = "stopped"  # a signal inside the rollout, abandoned on every rank: the state is the last boundary's, saved
+            run.ckpt.after_step(step, run.states, end)
+            break
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
         step += 1
         seconds = time.perf_counter() - t0

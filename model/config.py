@@ -30,6 +30,10 @@ class MoEConfig:
         if self.experts:
             _need(1 <= self.top_k <= self.experts,
                   f"model.moe.top_k must be between 1 and model.moe.experts={self.experts}, got {self.top_k}")
+        for f in dataclasses.fields(self):  # a dense model has no experts to route to: an experts' key set alone would be ignored
+            _need(self.experts or f.name == "experts" or getattr(self, f.name) == f.default,
+                  f"model.moe.{f.name}={getattr(self, f.name)!r} needs model.moe.experts > 0 (0, the default, is a dense "
+                  f"feed-forward: no experts for it to act on)")
         _need(self.hidden_dim >= 0, f"model.moe.hidden_dim must be >= 0 (0: model.hidden_dim), got {self.hidden_dim}")
         _need(self.aux_loss_coef >= 0, f"model.moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 

@@ -44,7 +44,8 @@ def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_
     if 0 < top_k < logits.numel():
         logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
     if top_p < 1.0:
-        order = torch.argsort(logits, descending=True)
+        # A stable sort: tied logits in id order, so the ids kept at the nucleus's edge are the same on any device.
+        order = torch.sort(logits, descending=True, stable=True).indices
         probs = torch.softmax(logits[order], -1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p (at least one id)
         logits[order[drop]] = float("-inf")

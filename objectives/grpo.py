@@ -8,7 +8,8 @@ each with `generations` completions. A rollout, for each prompt of this rank's m
     seeded by derive_seed(seed, STREAM, step, prompt index, r): the same ids whichever rank and
     world size generates them;
   - each completion (up to and with its first EOS) scored by the reward, a pure function of the
-    prompt, the completion's text and the line's fields (objectives/rewards.py);
+    prompt, the completion's text and the line's fields (objectives/rewards.py), each call bounded
+    by train.grpo.reward_timeout_s, a rank's first completion scored twice (an impure reward refused);
   - advantages (r - group mean) / (group std + 1e-4) (MiniMind's, the std of the group itself).
 Then `updates_per_rollout` optimizer steps on it: per token, with logp the policy's, old the
 policy's at the rollout (its first update's own forward, detached: the ratio is exactly 1 there),
@@ -20,9 +21,16 @@ batch's sequences (each micro-batch adds its sum times M / global_batch; the red
 With updates_per_rollout > 1 the rollout (tokens, masks, advantages, rewards, old and reference
 log-probabilities) is part of the resume state, gathered from every rank in micro-batch order at a
 save: a run halted inside a rollout's updates resumes them on any world size.
+
+The rollout runs eagerly under train.compile (every KV-cache length would be a static graph of its
+own, Dynamo's recompile limit would be reached, and which frames run compiled would depend on the
+process's history); the training forwards stay compiled. Ranks wait for each other's rollouts on the
+board's heartbeats, never in a collective that times out; a stop signal inside a rollout abandons it
+on every rank ("stopped": the loop saves the step before it).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -31,9 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.outcome import attempt
+from common.outcome import Stopped, attempt
 from common.seeds import derive_seed
 from model.generate import generate_group
+from runtime.board import hand_off
 
 from . import rewards as reward_fns
 from .reference import pinned_reference
@@ -70,6 +79,9 @@ class GRPOConfig:
     reward: str = "answer"
     """answer (exact match with the line's "answer") | minimind_rules | module:function (or path/file.py:function):
     called with (prompt, completion, **the line's fields), returning a finite float."""
+    reward_timeout_s: float = 30.0
+    """The longest one reward call may take: a reward that does not return by then fails the run on every rank,
+    naming the prompt (exit 1)."""
 
     def __post_init__(self) -> None:
         if self.generations < 2:
@@ -78,6 +90,8 @@ class GRPOConfig:
             raise ValueError(f"train.grpo.loss: expected one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.max_new_tokens < 1 or self.updates_per_rollout < 1:
             raise ValueError("train.grpo.max_new_tokens and train.grpo.updates_per_rollout must be >= 1")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"train.grpo.reward_timeout_s must be > 0 (seconds), got {self.reward_timeout_s}")
         if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.beta >= 0 and 0 <= self.eps < 1 and self.eps_high > 0):
             raise ValueError(f"train.grpo: temperature > 0, 0 < top_p <= 1, beta >= 0, 0 <= eps < 1, eps_high > 0 expected, got "
                              f"{self.temperature}, {self.top_p}, {self.beta}, {self.eps}, {self.eps_high}")
@@ -125,6 +139,7 @@ class GRPO:
         self.step = 0
         self.rt = rt
         self.rollout_s = 0.0
+        self.stall_s = 600.0  # dist.timeout_s (start): how long a rank's rollout may show no heartbeat
         self.stats: list[tuple[int, torch.Tensor]] = []
         self.lengths: list[tuple[int, float]] = []
 
@@ -138,6 +153,7 @@ class GRPO:
                            f"{self.reward_record.get('sha256')}, but the steps of {resumed.path} were scored by one of sha256 "
                            f"{meta.reward.get('sha256')} ({meta.reward.get('spec')})")
         meta.reward = self.reward_record
+        self.stall_s = cfg.dist.timeout_s
         if self.cfg.beta:
             self.reference, sha, path = pinned_reference(cfg, rt, meta, resumed, agree, tok_files, self.cfg.reference, "train.grpo.reference")
             if rt.is_main:
@@ -155,21 +171,44 @@ class GRPO:
         if step % self.cfg.updates_per_rollout == 0:
             self.buffer, self.rollout_at = {}, step
 
-    def prepare(self, model, micro_batches: list, rt, agree) -> None:
+    def prepare(self, model, micro_batches: list, rt, agree, stop=None) -> str | None:
         """At a rollout step, before any forward: this rank's micro-batches' rollouts (generation,
-        rewards, advantages), agreed by every rank (a reward that fails fails the run everywhere, named)."""
+        rewards, advantages), agreed by every rank (a reward that fails fails the run everywhere, named).
+        Every rank waits for the others on the board's heartbeats (runtime/board.py hand_off): a rollout
+        may take longer than dist.timeout_s. A stop signal inside a rollout (`stop`: run/stop.py's flag)
+        interrupts it: every rank abandons the rollout and returns "stopped"."""
         self.rollout_s = 0.0
         if self.rollout_at != self.step:
-            return
+            return None
         t0 = time.perf_counter()
-        was = model.training
-        model.eval()
-        failed = attempt(lambda: [self._rollout(model, batch, j * rt.world_size + rt.rank) for j, batch in enumerate(micro_batches)])
-        model.train(was)
-        self.rollout_s = time.perf_counter() - t0
-        agree("the rollout", failed)
+        mine: dict = {"error": None, "stopped": False}
 
-    def _rollout(self, model, batch, i: int) -> None:
+        def work(progress) -> dict:
+            was = model.training
+            model.eval()
+            try:
+                # Eager under train.compile: the training forwards' compiled graphs do not depend on the rollouts.
+                with torch.compiler.set_stance("force_eager"), stop.interruptible() if stop else contextlib.nullcontext():
+                    mine["error"] = attempt(lambda: [self._rollout(model, batch, j * rt.world_size + rt.rank, j == 0)
+                                                     for j, batch in enumerate(micro_batches)])
+            except Stopped:
+                mine["stopped"] = True
+            finally:
+                model.train(was)
+            return {"stopped": mine["stopped"]}
+
+        key = f"rollout/{self.step}"
+        outcomes = hand_off(rt, key, rt.rank, work, self.stall_s, f"the rollout of step {self.step + 1}")
+        self.rollout_s = time.perf_counter() - t0
+        agree("the rollout", mine["error"])
+        if rt.world_size > 1:
+            rt.board.delete(f"{key}/{rt.rank}")  # every rank has read it: past the agreement above
+        if any(o["stopped"] for o in outcomes.values()):
+            self.buffer = {}
+            return "stopped"
+        return None
+
+    def _rollout(self, model, batch, i: int, check: bool = False) -> None:
         rows, lengths, indices = batch
         g, seq_len = self.cfg.generations, rows.shape[1]
         pad, eos = self.tok.pad, self.tok.eos
@@ -188,7 +227,10 @@ class GRPO:
                 tokens.append(seq)
                 masks.append(mask)
                 text = self.tok.decode([t for t in c[:end] if t != eos])
-                scores.append(reward_fns.score(self.reward, fields["prompt"], text, fields, index, fields["line"]))
+                args = (self.reward, fields["prompt"], text, fields, index, fields["line"], self.cfg.reward_timeout_s)
+                scores.append(reward_fns.score(*args))
+                if check and len(scores) == 1:  # this rank's first completion of the rollout, scored again: the same value
+                    reward_fns.check_pure(self.cfg.reward, scores[0], reward_fns.score(*args), index, fields["line"])
         r = torch.tensor(scores, dtype=torch.float32)
         self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g)}
 

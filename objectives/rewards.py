@@ -1,6 +1,7 @@
 """Rewards for reinforcement learning, as pure functions of (prompt, completion, the line's fields)
 (docs/rl.md): the built-in verifiable and rule rewards, and a user's own `module:function`, whose
-file's sha256 a checkpoint records (a changed one is refused on resume)."""
+file's sha256 a checkpoint records (a changed one is refused on resume). Every call is bounded by
+train.grpo.reward_timeout_s; a reward that gives another value for the same completion is refused."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +9,9 @@ import importlib
 import importlib.util
 import math
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -100,12 +103,56 @@ def load(spec: str) -> tuple[Callable, dict]:
     return fn, {"spec": spec, "file": source, "sha256": sha}
 
 
-def score(fn: Callable, prompt: str, completion: str, fields: dict, index: int, where: str) -> float:
-    """`fn`'s reward for one completion, a finite float; Failed naming the prompt when it raises or returns another."""
+class _Late(BaseException):
+    """The reward's time is up (a BaseException, as KeyboardInterrupt: a reward's own `except Exception` does not swallow it)."""
+
+
+def _bounded(fn: Callable, timeout_s: float):
+    """`fn()`, interrupted by SIGALRM after `timeout_s` seconds (raising _Late where it is, and again
+    every 0.5 s for a reward that swallows it; a value returned past the deadline is late too): the
+    main thread's Python code stops there, whatever it waits for (a sleep, a lock, a loop); one call
+    into C that never returns to the interpreter is not interrupted (docs/rl.md). Off the main
+    thread, where no signal arrives, unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    fired = []
+
+    def late(signum, frame) -> None:
+        fired.append(signum)
+        raise _Late
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.5)
     try:
-        value = fn(prompt, completion, **{k: v for k, v in fields.items() if k not in ("prompt", "line")})
+        value = fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    if fired:
+        raise _Late
+    return value
+
+
+def score(fn: Callable, prompt: str, completion: str, fields: dict, index: int, where: str, timeout_s: float = 30.0) -> float:
+    """`fn`'s reward for one completion, a finite float; Failed naming the prompt when it raises, returns
+    another, or does not return within `timeout_s` seconds (train.grpo.reward_timeout_s)."""
+    try:
+        value = _bounded(lambda: fn(prompt, completion, **{k: v for k, v in fields.items() if k not in ("prompt", "line")}), timeout_s)
+    except _Late:
+        raise Failed(f"train.grpo.reward did not return within train.grpo.reward_timeout_s={timeout_s:g} s on prompt {index} "
+                     f"({where})") from None
     except Exception as e:  # noqa: BLE001 - the user's code: its failure ends the run, named
         raise Failed(f"train.grpo.reward raised on prompt {index} ({where}): {type(e).__name__}: {e}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise Failed(f"train.grpo.reward returned {value!r} for prompt {index} ({where}): expected a finite number")
     return float(value)
+
+
+def check_pure(spec: str, first: float, again: float, index: int, where: str) -> None:
+    """The same completion scored twice (one a rollout on each rank): BadInput naming the reward when the
+    two values differ (it draws from a generator, reads the clock or keeps state), which a resume could
+    not reproduce."""
+    if first != again:
+        raise BadInput(f"train.grpo.reward={spec} gave {first!r}, then {again!r} for the same completion of prompt {index} "
+                       f"({where}): a reward must be a pure function of (prompt, completion, fields), or a resumed run "
+                       f"scores otherwise than the uninterrupted one (docs/rl.md)")

@@ -10,6 +10,10 @@ Before that (set-up: the rendezvous, the lock wait, packing the corpus, loading 
 is nothing to save, and waiting for the first step could take minutes: the first signal raises
 StopDuringSetup where the process is, the set-up unwinds (a half-packed cache is removed by the
 packer's own cleanup), and the run ends with 75, the previous checkpoint standing.
+
+Inside the run, a stretch that may wait long and has nothing to lose (GRPO's rollout: generation
+and the user's reward, which may never return) is `interruptible()`: there too the first signal
+raises (Interrupted), the stretch is abandoned, and the ranks agree to save the step before it.
 """
 from __future__ import annotations
 
@@ -17,12 +21,18 @@ import os
 import signal
 import time
 
+from contextlib import contextmanager
+
 from common.outcome import Stopped
 
 
 class StopDuringSetup(Stopped):
     """A stop signal before the run was under way (a BaseException, as KeyboardInterrupt is, so that
     no `except Exception` on the way swallows it)."""
+
+
+class Interrupted(Stopped):
+    """A stop signal inside an interruptible stretch (StopFlag.interruptible), raised where the main thread was."""
 
 
 class StopFlag:
@@ -40,6 +50,7 @@ class StopFlag:
         self.signal: str | None = None
         self.received_at: float | None = None
         self.setup = True  # until under_way(): a signal raises
+        self.interrupt = False  # inside interruptible(): a signal raises
         self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
@@ -51,6 +62,8 @@ class StopFlag:
             self.received_at = time.monotonic()
             if self.setup:
                 raise StopDuringSetup(self.signal)
+            if self.interrupt:
+                raise Interrupted(self.signal)
 
     def under_way(self) -> None:
         """The run is at its first step: from here on a signal sets the flag the ranks vote on.
@@ -58,6 +71,19 @@ class StopFlag:
         self.setup = False
         if self.signal is not None:
             raise StopDuringSetup(self.signal)
+
+    @contextmanager
+    def interruptible(self):
+        """A stretch the first stop signal interrupts (Interrupted, raised where the main thread is,
+        also inside a call that waits), instead of only setting the flag; one already received raises
+        at once."""
+        if self.poll():
+            raise Interrupted(self.signal)
+        self.interrupt = True
+        try:
+            yield
+        finally:
+            self.interrupt = False
 
     def poll(self) -> bool:
         """Has a stop been asked for? Also checks, under torchrun, whether the agent is still there."""

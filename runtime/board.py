@@ -46,6 +46,13 @@ class Board:
             data = self.store.get(full).decode() if self.store.check([full]) else None
         return None if data is None else json.loads(data)
 
+    def delete(self, key: str) -> None:
+        """Remove `key` once every rank has read it (a key written every step must not grow the store)."""
+        if self.store is None:
+            self.local.pop(key, None)
+        else:
+            self.store.delete_key(f"{self.prefix}/{key}")
+
     def first(self, key: str, value: Any) -> None:
         """Set `key` unless something is there already (the first failure is the cause; later ones are its echoes)."""
         data = json.dumps(value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -144,3 +145,28 @@ def test_a_bad_activation_checkpointing_mode_is_refused_naming_the_key(mode):
 
     with pytest.raises(ConfigError, match=f"train.activation_checkpointing: expected none, full or every_K.*{mode}"):
         load_config("configs/tiny.yaml", [f"train.activation_checkpointing={mode}"])
+
+
+@pytest.mark.e2e
+def test_a_compiled_grpo_run_halted_on_2_and_resumed_on_1_equals_the_uninterrupted_one_its_rollouts_eager(tmp_path):
+    """GRPO under train.compile (objectives/grpo.py): the rollout runs eagerly (each KV-cache length
+    would be a static graph of its own, the recompile limit reached inside the first prompt, and which
+    frames run compiled would then depend on the process's history); the training forwards stay
+    compiled, the same graphs in every launch: halted inside a rollout's updates on 2 processes and
+    resumed on 1, the weights and every logged figure are the uninterrupted compiled run's."""
+    from test_grpo import REWARD, REWARDS, base
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in "red blue green cat dog sun".split() * 4))
+    (tmp_path / "rewards.py").write_text(REWARD)
+    args = [*base((prompts, tmp_path / "rewards.py"), tmp_path / "cache"), "train.compile=true", "train.steps=4"]
+    runs = [launch.run(0, *args, f"out_dir={tmp_path / 'one'}"),
+            launch.run(2, *args, "train.halt_at=3", f"out_dir={tmp_path / 'moved'}"),
+            launch.run(0, *args, f"out_dir={tmp_path / 'moved'}")]
+    for proc in runs:
+        assert "train.compile: the first step took" in proc.stderr, proc.stderr[-3000:]
+        assert not re.search(r"recompile_limit|cache_size_limit|new graph|graph break", proc.stderr), proc.stderr[-3000:]
+    launch.assert_identical(tmp_path / "moved", tmp_path / "one")
+    got, want = launch.metrics(tmp_path / "moved"), launch.metrics(tmp_path / "one")
+    for key in ("loss", *REWARDS):
+        assert [r[key] for r in got] == [r[key] for r in want], key

@@ -5,6 +5,7 @@ uninterrupted one, bad input named."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,44 @@ def raises(prompt, completion, **fields):
 
 def nan(prompt, completion, **fields):
     return float("nan")
+
+
+import os
+import time
+from pathlib import Path
+
+
+def sleeps_on_rank_0(prompt, completion, **fields):
+    """Never returns in time on rank 0; the other ranks score at once and wait for it."""
+    if os.environ.get("RANK", "0") == "0":
+        time.sleep(3600)
+    return 0.0
+
+
+def slow_on_rank_0(prompt, completion, **fields):
+    """vowels, 1.5 s a call on rank 0: its rollout takes longer than dist.timeout_s, its peers wait for it."""
+    if os.environ.get("RANK", "0") == "0":
+        time.sleep(1.5)
+    return vowels(prompt, completion, **fields)
+
+
+def draws(prompt, completion, **fields):
+    import random
+
+    return random.random()
+
+
+CALLS = [0]
+
+
+def vowels_then_waits(prompt, completion, **fields):
+    """vowels; under WAITING_DIR, from the 8th call in a process (on 2 ranks: the second rollout) it
+    says so with a file and waits for a signal."""
+    CALLS[0] += 1
+    if CALLS[0] >= 8 and os.environ.get("WAITING_DIR"):
+        Path(os.environ["WAITING_DIR"], os.environ.get("RANK", "0")).touch()
+        time.sleep(3600)
+    return vowels(prompt, completion, **fields)
 '''
 
 
@@ -175,3 +214,113 @@ def test_a_changed_reward_file_is_refused_on_resume_naming_both_hashes(task, tmp
     module.write_text(module.read_text().replace("aeiou", "aeiouy"))
     code, err = launch.in_process(*args)
     assert code == 2 and "train.grpo.reward:" in err and "were scored by one of sha256" in err and "Traceback" not in err, err
+
+
+def last_line(stderr: str, rank: int) -> str:
+    """The line a rank ends with ("...; exit N"; rank 0's carry no rank prefix)."""
+    import re
+
+    mine = [l for l in stderr.splitlines() if re.search(r"; exit \d+", l) and (f"[rank {rank}]" in l if rank else "[rank " not in l)]
+    assert mine, stderr[-3000:]
+    return mine[-1]
+
+
+@pytest.mark.e2e
+def test_a_reward_that_never_returns_on_rank_0_fails_both_ranks_naming_the_prompt_within_its_timeout(task, tmp_path):
+    out = tmp_path / "run"
+    proc = launch.run(2, *base(task, tmp_path / "cache", "sleeps_on_rank_0"), "train.grpo.reward_timeout_s=2", f"out_dir={out}",
+                      expect=None, timeout=180)
+    mine, theirs = last_line(proc.stderr, 0), last_line(proc.stderr, 1)
+    assert "train.grpo.reward did not return within train.grpo.reward_timeout_s=2 s on prompt" in mine, mine
+    assert "prompts.jsonl:" in mine and mine.endswith("exit 1"), mine
+    assert "rank 0 failed during the rollout: train.grpo.reward did not return within" in theirs and theirs.endswith("exit 1"), theirs
+    assert json.loads((out / "status.json").read_text())["exit_code"] == 1
+    assert "Traceback" not in proc.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>')[0]  # torchrun's own, after
+
+
+@pytest.mark.unit
+def test_a_reward_call_is_interrupted_at_its_timeout_even_when_it_catches_every_exception():
+    from common.outcome import Failed
+    from objectives.rewards import score
+
+    def careless(prompt, completion, **fields):  # 5 s, unless interrupted
+        try:
+            time.sleep(5)
+        except Exception:  # noqa: BLE001 - what a careless reward does: the timeout is not an Exception
+            pass
+        return 1.0
+
+    def stubborn(prompt, completion, **fields):  # 2 s, swallowing everything: its value is late
+        for _ in range(20):
+            try:
+                time.sleep(0.1)
+            except BaseException:  # noqa: BLE001
+                pass
+        return 1.0
+
+    for reward in (careless, stubborn):
+        with pytest.raises(Failed, match=r"did not return within train.grpo.reward_timeout_s=0.2 s on prompt 7 \(p.jsonl:8\)"):
+            score(reward, "p", "c", {"prompt": "p", "line": "p.jsonl:8"}, 7, "p.jsonl:8", timeout_s=0.2)
+    assert score(lambda prompt, completion, **f: 0.5, "p", "c", {}, 0, "x", timeout_s=0.2) == 0.5
+    time.sleep(0.3)  # the timer was cancelled: nothing fires after the call
+
+
+@pytest.mark.e2e
+def test_a_rollout_on_one_rank_longer_than_dist_timeout_s_is_waited_for_and_gives_the_uninterrupted_figures(
+        uninterrupted, task, tmp_path):
+    """Rank 0's rollout takes about 10 s (7 reward calls of 1.5 s) with dist.timeout_s=6: rank 1 waits
+    on rank 0's heartbeat, not in a collective that times out."""
+    out = tmp_path / "run"
+    launch.run(2, *base(task, tmp_path / "cache", "slow_on_rank_0"), "dist.timeout_s=6", "checkpoint.lock_timeout_s=3",
+               "train.halt_at=2", f"out_dir={out}", timeout=240)
+    got, want = launch.metrics(out), launch.metrics(uninterrupted / "one")[:2]
+    for key in ("loss", *REWARDS):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+@pytest.mark.unit
+def test_a_reward_that_draws_from_random_is_refused_naming_it(task, tmp_path):
+    code, err = launch.in_process(*base(task, tmp_path / "cache", "draws"), f"out_dir={tmp_path / 'run'}")
+    assert code == 2 and ":draws gave " in err and "for the same completion of prompt" in err and "a pure function" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.e2e
+def test_sigterm_while_a_reward_waits_stops_both_ranks_with_75_and_the_resume_equals_the_uninterrupted_run(
+        uninterrupted, task, tmp_path):
+    """The reward of the second rollout (step 3) waits on both ranks; SIGTERM to the launch: the rollout
+    is abandoned on every rank, step 2 is saved, exit 75; resumed on one process, the uninterrupted run."""
+    import signal
+
+    from checkpoint.storage import list_checkpoints
+
+    out, waiting = tmp_path / "run", tmp_path / "waiting"
+    waiting.mkdir()
+    args = [*base(task, tmp_path / "cache", "vowels_then_waits"), "train.grpo.reward_timeout_s=600", f"out_dir={out}"]
+    proc = launch.start(launch.command(2, *args), tmp_path / "log", env={"WAITING_DIR": str(waiting)})
+    launch.wait_for(lambda: len(list(waiting.iterdir())) == 2, timeout=240, proc=proc)
+    launch.kill_tree(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    log = (tmp_path / "log").read_text()
+    assert log.count("stopped on SIGTERM at step 2: checkpoint published") == 2, log[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["exit_code"] == 75 and status["step"] == 2, status
+    assert list_checkpoints(out / "checkpoints")[0][0] == 2 and launch.lines(out / "metrics.jsonl") == 2
+    assert launch.in_process(*args)[0] == 0
+    launch.assert_identical(out, uninterrupted / "one")
+    got, want = launch.metrics(out), launch.metrics(uninterrupted / "one")
+    for key in REWARDS:
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+@pytest.mark.unit
+def test_top_p_keeps_tied_ids_in_id_order_whatever_the_vocabulary_size():
+    """Ties at the nucleus's edge are broken by token id (a stable sort), the same on any device: 12
+    tied ids of equal mass, top_p = 0.3 keeps the first 4 of them, the lowest ids."""
+    from model.generate import sample
+
+    logits = torch.full((259,), -30.0)
+    tied = torch.arange(3, 259, 21)[:12]  # spread over the vocabulary
+    logits[tied] = 5.0
+    drawn = {sample(logits, [], 1.0, 0, 0.3, 1.0, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert drawn == set(tied[:4].tolist()), sorted(drawn)

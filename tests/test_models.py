@@ -214,6 +214,8 @@ def test_an_moe_halted_on_two_processes_under_ddp_resumed_on_three_under_fsdp_is
 @pytest.mark.unit
 @pytest.mark.parametrize("bad, expected", [
     (["model.moe.experts=2", "model.moe.top_k=3"], "model.moe.top_k must be between 1 and model.moe.experts=2, got 3"),
+    (["model.moe.top_k=2"], "model.moe.top_k=2 needs model.moe.experts > 0"),  # a dense model: nothing to route to
+    (["model.moe.hidden_dim=96", "model.moe.experts=0"], "model.moe.hidden_dim=96 needs model.moe.experts > 0"),
     (["model.head_dim=7"], "model.head_dim (7) must be even"),
     (["model.dim=30", "model.n_heads=4"], "model.dim (30) must be divisible by model.n_heads (4), or give model.head_dim"),
 ])
