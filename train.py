@@ -40,6 +40,7 @@ from run.metrics import Metrics, truncate
 from run.protocol import Protocol, describe as describe_error
 from run.state import TrainState
 from run.stop import StopFlag, exit_now, ignore_stop_signals
+from runtime.logs import say_refusal
 
 log = logging.getLogger("minimind")
 
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_refusal(f"error: {e}")  # every rank refuses alike: said once
         return exit_code("bad_input")
     stop = StopFlag()  # first: a signal during set-up ends the launch with 75 (run/stop.py)
     rt = lock = protocol = message = None
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         try:
             if lock:
-                folder.write_status(lock.out_dir, outcome, step, message if not clean else None)
+                folder.finish(lock, outcome, step, message if not clean else None)  # a refused fresh folder: taken back
         finally:
             if rt is not None:
                 runtime.teardown(rt, clean)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from checkpoint import format, storage
-from common.outcome import EXIT_CODES, BadInput, command, exit_code
+from common.outcome import BadInput, command
 from run import folder
 
 
@@ -115,37 +115,10 @@ def compare_runs(a: Path, b: Path) -> dict:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Print the run's status record; with --exit-code, the exit code a scheduler should see: the
-    run's recorded outcome when this launch recorded one, else what the launcher's own code says
-    (a launcher stopped by a signal: stopped; anything else it says: failed)."""
-    # A stop the launch script passed on, or a launcher that a signal ended (runtime/launch.py: 128 + signal).
-    stopped = bool(args.stopped) or args.fallback > 128
-    fallback = exit_code("stopped") if stopped else args.fallback if args.fallback in set(EXIT_CODES.values()) else exit_code("failed")
-    if not args.run.is_dir():
-        if not args.exit_code:
-            raise CommandError(f"{args.run}: not a run folder")
-        print(f"status: {args.run} does not exist yet; exit {fallback}", file=sys.stderr)  # the run never got as far as its folder
-        return fallback
-    # Wait for this launch's workers that outlived their torchrun (finishing a save); another run
-    # that holds the folder (this launch waited for it and was stopped) is not waited for.
-    holder = folder.read_holder(args.run)
-    ours = not args.launch_id or not holder or holder.get("launch_id") == args.launch_id
-    if args.exit_code and ours and not folder.wait_until_free(args.run, args.wait_s):
-        print(f"status: {args.run} is still held by {folder.describe_holder(folder.read_holder(args.run))} after {args.wait_s:g} s",
-              file=sys.stderr)
-        return fallback
-    record = folder.read_status(args.run)
-    held = not folder.wait_until_free(args.run, 0)
-    print(json.dumps({**(record or {"state": None}), "held_by": folder.read_holder(args.run) if held else None}, indent=1))
-    if not args.exit_code:
-        return 0
-    if record is None or (args.launch_id and record.get("launch_id") != args.launch_id):
-        print(f"status: {args.run} has no status from this launch; exit {fallback} from the launcher's code {args.fallback}", file=sys.stderr)
-        return fallback
-    if record["state"] == "running":  # the holder is gone without a word: killed
-        print(f"status: the run in {args.run} died without recording an outcome (killed?)", file=sys.stderr)
-        return fallback
-    return exit_code(record.get("outcome") or record["state"])
+    """`status RUN [--exit-code]`: where the run is, and the exit code a scheduler should see (cli/status.py)."""
+    from .status import status as report_status
+
+    return report_status(args)
 
 
 def plot(runs: list[Path], out: Path) -> int:

@@ -51,8 +51,11 @@ class TrainConfig:
     warmup_steps: int = 10
     """Linear warm-up steps."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on the matrices only (not on the norms)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
     halt_at: int = 0
@@ -160,7 +163,8 @@ class LogConfig:
     every: int = 10
     """Print a line every N steps on rank 0 (metrics.jsonl gets every step)."""
     progress: bool = True
-    """Show a tqdm bar on rank 0 (when stderr is a terminal)."""
+    """true: a tqdm bar on rank 0 with the objective's figures, when stderr is a terminal (a log file gets the step
+    lines only) | false: never."""
     tracker: str = "none"
     """none | tensorboard (OUT/tensorboard/) | wandb (the run id is the checkpoint's run_id; WANDB_MODE=offline works)."""
     project: str = "minimind-resume"
@@ -353,7 +357,8 @@ def load_tokenizer(cfg: Config):
 
 
 def describe() -> str:
-    """Every key with its default and docstring, for --help."""
+    """Every key with its default and its one-line description, grouped by section with the page of docs/ that
+    explains it: the key list of `python train.py --help` and `python -m configs --help`."""
     import ast
     import inspect
 
@@ -365,7 +370,7 @@ def describe() -> str:
                 out[a.target.id] = " ".join(str(b.value.value).split())
         return out
 
-    lines = []
+    groups: dict[str, list[str]] = {}
 
     def walk(cls: type, obj: Any, prefix: str) -> None:
         d = docs(cls)
@@ -374,7 +379,17 @@ def describe() -> str:
             if dataclasses.is_dataclass(v):
                 walk(type(v), v, f"{prefix}{_key(f)}.")
             else:
-                lines.append(f"  {prefix}{_key(f)} = {v!r}" + (f"  # {d[f.name]}" if f.name in d else ""))
+                line = f"  {prefix}{_key(f)} = {v!r}" + (f"  # {d[f.name]}" if f.name in d else "")
+                groups.setdefault(prefix.rstrip(".") or "run", []).append(line)
 
     walk(Config, Config(), "")
-    return "\n".join(lines)
+    return "\n".join(f"{name} ({GROUP_DOCS[name]}):\n" + "\n".join(lines) if name in GROUP_DOCS else f"{name}:\n" + "\n".join(lines)
+                     for name, lines in groups.items())
+
+
+GROUP_DOCS = {"run": "docs/run_folder.md", "model": "docs/models.md", "model.moe": "docs/models.md",
+              "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md", "train.dpo": "docs/dpo.md",
+              "train.grpo": "docs/rl.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
+              "dist": "docs/resuming.md, docs/sharding.md", "runtime": "docs/resuming.md", "log": "docs/watching.md",
+              "eval": "docs/watching.md"}
+"""Where docs/ explains each group of keys (`describe`, the --help of train.py and python -m configs)."""

@@ -48,6 +48,8 @@ class BatchPlan:
             if g % m == 0:
                 worlds = [v for v in range(1, g // m + 1) if (g // m) % v == 0]
                 hint += f"; with micro batch {m} (M = {g // m} micro-batches per step) the world sizes that work are {', '.join(map(str, worlds))}"
+            near = [b for b in (g // (m * w) * m * w, (g // (m * w) + 1) * m * w) if b > 0]  # the nearest multiples of m x w
+            hint += f"; on {w} process(es) with micro batch {m}, the nearest global batches that work are {' and '.join(map(str, near))}"
             raise BatchPlanError(
                 f"train.global_batch={g} is not divisible by train.micro_batch={m} x world size {w} = {m * w}; {hint}"
             )

@@ -60,7 +60,9 @@ class GRPOConfig:
     generations: int = 6
     """Completions per prompt (a group); train.global_batch and train.micro_batch count completions, multiples of it."""
     temperature: float = 0.8
+    """Sampling temperature of the rollouts (> 0)."""
     top_p: float = 1.0
+    """Nucleus sampling of the rollouts: the smallest set of tokens whose probability reaches top_p (1: all)."""
     max_new_tokens: int = 64
     """Each completion's length: generated in full (a fixed shape), masked after its first EOS."""
     beta: float = 0.1

@@ -63,6 +63,8 @@ class RunLock:
 
     out_dir: Path
     fd: int
+    created: tuple[Path, ...] = ()
+    """The folders this launch made to hold the run (out_dir and the parents it lacked), innermost first."""
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -71,6 +73,16 @@ class RunLock:
             finally:
                 os.close(self.fd)
                 self.fd = -1
+
+
+def _missing(out_dir: Path) -> tuple[Path, ...]:
+    """out_dir and its parents that do not exist yet, innermost first."""
+    missing = []
+    for p in (out_dir, *out_dir.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing.append(p)
+    return tuple(missing)
 
 
 def _open_lock_file(out_dir: Path) -> int:
@@ -95,6 +107,7 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
 
     Raises RunFolderError naming the holder when it is still held after the wait."""
     out_dir = Path(out_dir)
+    created = _missing(out_dir)
     fd = _open_lock_file(out_dir)
     end, announced = time.monotonic() + timeout_s, None
     while True:
@@ -118,7 +131,7 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
     info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "launch_id": os.environ.get(LAUNCH_ENV)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    return RunLock(out_dir, fd)
+    return RunLock(out_dir, fd, created)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -147,6 +160,47 @@ def write_status(out_dir: Path, outcome: str, step: int | None = None, cause: st
               "updated_unix": round(time.time(), 3)}
     atomic_write(Path(out_dir) / STATUS, json.dumps(record, indent=1) + "\n")
     return record
+
+
+UNTRAINED = {LOCK, STATUS, CONFIG, METRICS, CHECKPOINTS}
+"""What a launch that never trained a step can have left in a folder it created (empty files and folders)."""
+
+
+def _not_untrained(out: Path) -> list[str]:
+    """What in a run folder a launch that never trained cannot have left: any other name, a metrics
+    line, anything under checkpoints/."""
+    found = []
+    for p in out.iterdir():
+        if p.name not in UNTRAINED or p.is_symlink():
+            found.append(p.name)
+        elif p.name == METRICS and (not p.is_file() or p.stat().st_size):
+            found.append(p.name)
+        elif p.name == CHECKPOINTS and (not p.is_dir() or any(p.iterdir())):
+            found.append(p.name)
+    return sorted(found)
+
+
+def finish(lock: RunLock, outcome: str, step: int | None = None, cause: str | None = None) -> None:
+    """How the run ended, in OUT/status.json (the lock holder, before it releases the lock). A launch
+    refused for bad input before it trained a step, in a folder it created itself, takes back what it
+    made instead (the lock, the status, the empty folders): the corrected command starts afresh, and
+    `ls runs/` shows no run that never was. A folder that existed before, or holds anything a
+    trained step writes (a checkpoint, a metrics line) or anything else, is never removed; one this
+    launch made but must keep is said."""
+    out = lock.out_dir
+    if outcome == "bad_input" and lock.created:
+        others = _not_untrained(out)
+        if not others:
+            for name in (LOCK, STATUS, CONFIG, METRICS):
+                (out / name).unlink(missing_ok=True)
+            for folder in (out / CHECKPOINTS, *lock.created):
+                try:
+                    folder.rmdir()
+                except OSError:  # not there, or not empty (another launch's run beside it in a parent): kept
+                    pass
+            return
+        log.warning("kept %s although this launch made it and was refused: it holds %s", out, ", ".join(others))
+    write_status(out, outcome, step, cause)
 
 
 def read_status(out_dir: Path) -> dict | None:

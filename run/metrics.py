@@ -28,15 +28,14 @@ def truncate(path: Path, step: int) -> int:
 
     if not path.exists():
         return 0
-    kept, steps = [], []
-    for line in path.read_text().splitlines():
-        try:
-            s = json.loads(line)["step"]
-            if s <= step:
-                kept.append(line)
-                steps.append(s)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
+    kept, steps, lines = [], [], path.read_text().splitlines()
+    for line in lines:
+        s = _step_of(line)
+        if s is not None and s <= step:
+            kept.append(line)
+            steps.append(s)
+    torn = sum(1 for line in lines if _step_of(line) is None)
+    dropped = len(lines) - torn - len(kept)
     if steps != list(range(1, step + 1)):
         missing = sorted(set(range(1, step + 1)) - set(steps))
         raise CheckpointError(
@@ -45,7 +44,31 @@ def truncate(path: Path, step: int) -> int:
             f"a resumed log would not equal the uninterrupted one. Move the file aside to resume (the new log then "
             f"starts at step {step + 1})")
     atomic_write(path, "".join(k + "\n" for k in kept))
+    if dropped or torn:  # said, so that a shorter log is never a surprise
+        log.info("%s: dropped %s past the resumed step %d (logged after the last checkpoint, they are logged again as "
+                 "the run repeats those steps)%s", path, f"{dropped} line{'s' * (dropped != 1)}", step,
+                 f" and {torn} half-written or unreadable line{'s' * (torn != 1)}" if torn else "")
     return len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line, None for a half-written or foreign one."""
+    try:
+        s = json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return s if isinstance(s, int) else None
+
+
+def headline(record: dict) -> dict[str, float]:
+    """The figures a person watches, by objective (the bar's postfix, the closing line, `python -m
+    checkpoint status`): GRPO's mean reward, DPO's loss and pair accuracy, else the loss (and the
+    validation loss when the line has one). The first is the headline."""
+    if "reward/mean" in record:
+        return {"reward": record["reward/mean"], "loss": record["loss"]}
+    if "rewards/accuracies" in record:
+        return {"loss": record["loss"], "accuracy": record["rewards/accuracies"]}
+    return {"loss": record["loss"], **({"val_loss": record["val_loss"]} if "val_loss" in record else {})}
 
 
 class Metrics:
@@ -61,7 +84,7 @@ class Metrics:
         # The bar starts at the resumed step; on a terminal only (a log file gets the step lines).
         self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, mininterval=1.0, disable=not (progress and sys.stderr.isatty()))
         self.t0 = time.perf_counter()
-        self.losses: list[float] = []
+        self.heads: list[dict[str, float]] = []
         self.val_loss: tuple[int, float] | None = None
 
     def step(self, record: dict, seconds: float) -> None:
@@ -69,9 +92,11 @@ class Metrics:
         measured (`record`), and how long it took. Raises what writing the line raises (the loop
         votes on it at the boundary: run/protocol.py)."""
         step, loss = record["step"], record["loss"]
-        self.losses.append(loss)
+        self.heads.append(headline(record))
         if "val_loss" in record:
             self.val_loss = (step, record["val_loss"])
+        if not self.bar.disable:
+            self.bar.set_postfix({k: f"{v:.4f}" for k, v in self.heads[-1].items()}, refresh=False)
         self.bar.update(1)
         if self.file is None:
             return
@@ -95,13 +120,18 @@ class Metrics:
             self.file.close()
 
     def report(self, end: str, step: int, yardstick: float) -> None:
-        """The closing line on rank 0: how the run ended, its last losses against `yardstick` (the
-        corpus's unigram entropy; NaN: no yardstick, e.g. a chat run's taught tokens)."""
-        if not self.losses:
+        """The closing line on rank 0: how the run ended and its headline figure (`headline`: the loss,
+        against `yardstick`, the corpus's unigram entropy, NaN for none, e.g. a chat run's taught
+        tokens; GRPO's reward), the last step's and the mean of the last 10."""
+        if not self.heads:
             log.info("nothing to do: the run is at step %d of %d", step, self.steps)
             return
-        tail = self.losses[-min(10, len(self.losses)):]
-        against = f"the corpus's unigram entropy: {yardstick:.4f}" if not math.isnan(yardstick) else "chat or preference rows: no unigram yardstick"
+        tail = self.heads[-min(10, len(self.heads)):]
+        name = next(iter(tail[-1]))  # the headline: the loss, or GRPO's reward
+        values = [h[name] for h in tail]
+        against = "" if name != "loss" else f" (the corpus's unigram entropy: {yardstick:.4f})" if not math.isnan(yardstick) else \
+            " (chat or preference rows: no unigram yardstick)"
+        others = "".join(f", {k} {v:.4f}" for k, v in tail[-1].items() if k not in (name, "val_loss"))
         val = f"; validation loss {self.val_loss[1]:.4f} at step {self.val_loss[0]}" if self.val_loss else ""
-        log.info("%s at step %d: loss %.4f, mean of the last %d steps %.4f (%s)%s", end, step, self.losses[-1], len(tail),
-                 sum(tail) / len(tail), against, val)
+        log.info("%s at step %d: %s %.4f, mean of the last %d steps %.4f%s%s%s", end, step, name, values[-1], len(tail),
+                 sum(values) / len(values), others, against, val)

@@ -26,3 +26,22 @@ def setup_logging(rt: Runtime) -> None:
     logging.basicConfig(handlers=[handler], level=logging.INFO if rt.is_main else logging.WARNING, force=True)
 
 
+
+
+PEER_GRACE_S = 5.0
+"""How long a rank other than 0 waits before it says a refusal that every rank may have reached alike."""
+
+
+def say_refusal(message: str) -> None:
+    """One line for a refusal each rank reaches on its own before the ranks talk (a config error),
+    said once: by global rank 0 at once; by another rank (its rank in front) only after
+    PEER_GRACE_S, by when torchrun, seeing rank 0 leave, has stopped it if rank 0 refused the same.
+    A refusal of that rank alone (a file missing on its node) is still said."""
+    import os
+    import sys
+    import time
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank:
+        time.sleep(PEER_GRACE_S)
+    print(f"[rank {rank}] {message}" if rank else message, file=sys.stderr, flush=True)

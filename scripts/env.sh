@@ -1,20 +1,23 @@
-# Sourced by train.sh and test.sh: create .venv when missing and install requirements.txt into it.
-# Reinstalls only when requirements.txt changed (its sha256 is kept in .venv).
+# Sourced by train.sh, test.sh and preempt.sh: create .venv when missing and install requirements.txt
+# into it. Reinstalls only when requirements.txt changed (its sha256 is kept in .venv).
+# MINIMIND_VENV=DIR uses that virtual environment instead of .venv (the tests pass their own when they
+# run the scripts from a copy of the repository: scripts/mutants.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  echo "[env] creating .venv with $($PY --version 2>&1)" >&2
-  "$PY" -m venv .venv
+VENV="${MINIMIND_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[env] creating $VENV with $($PY --version 2>&1)" >&2
+  "$PY" -m venv "$VENV"
 fi
 want="$(sha256sum requirements.txt | cut -d' ' -f1)"
-if [ "$(cat .venv/.requirements.sha256 2>/dev/null || true)" != "$want" ]; then
-  echo "[env] installing requirements.txt into .venv" >&2
-  .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
-  echo "$want" > .venv/.requirements.sha256
+if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null || true)" != "$want" ]; then
+  echo "[env] installing requirements.txt into $VENV" >&2
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -r requirements.txt
+  echo "$want" > "$VENV/.requirements.sha256"
 fi
-export PATH="$ROOT/.venv/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 
 # ensure_test_requirements: requirements-test.txt into .venv, and transformers 4.57 beside it
 # (--no-deps --target .venv/transformers-4.57, for the export test); each only when its file changed.

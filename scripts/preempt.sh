@@ -43,7 +43,8 @@ PGID=""
 # does not reach them: a node going away is every process of the tree at once.
 descendants() { local p; for p in $(pgrep -P "$1" || true); do echo "$p"; descendants "$p"; done; }
 kill_tree() { local pids; pids="$2 $(descendants "$2")"; kill -"$1" $pids 2>/dev/null || true; }
-cleanup() { [ -n "$PGID" ] && kill_tree KILL "$PGID"; }
+# An EXIT trap that ends in a failed test (an empty PGID) would turn a PASS into exit 1 under set -e: an if, not an &&.
+cleanup() { if [ -n "$PGID" ]; then kill_tree KILL "$PGID"; fi; }
 trap cleanup EXIT
 
 launch() {  # launch OUT_DIR LOG [SCRIPT]: torchrun in a new session (its own process group)
