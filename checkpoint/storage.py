@@ -59,6 +59,11 @@ class CheckpointMismatch(CheckpointError, BadInput):
     seed or global batch; resume=never over existing checkpoints): bad input, exit 2 not 1."""
 
 
+class NoCheckpoint(CheckpointError, BadInput):
+    """A path that holds no checkpoint at all (a tool given the wrong folder): bad input, exit 2;
+    checkpoints that are there but do not verify are a CheckpointError (exit 1)."""
+
+
 class OldLayout(CheckpointError, BadInput):
     """A checkpoint of the earlier layout (manifest format 1): `python -m checkpoint convert` turns
     it into this one. Bad input (exit 2): a rerun changes nothing, the conversion does."""
@@ -235,7 +240,10 @@ def find_checkpoint(path: Path, verify_all: bool = False) -> tuple[Path, dict, l
     root = checkpoints_root(path)
     newest, listing = scan(root, verify_all)
     if newest is None:
-        raise CheckpointError(f"{path}: no valid checkpoint (looked in {root})")
+        if not listing:
+            raise NoCheckpoint(f"{path}: no checkpoint (looked in {root}): give a run folder or one of its checkpoints/step_* folders")
+        raise CheckpointError(f"{path}: no valid checkpoint (looked in {root}): "
+                              + "; ".join(f"step {step}: {error}" for step, _, error in listing if error)[:2000])
     manifest = read_manifest(newest)  # scan verified it
     for step, folder, error in listing:
         if error is not None and step > manifest["step"]:

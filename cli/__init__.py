@@ -322,45 +322,43 @@ def _run(argv: list[str] | None) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    try:
-        if args.verb == "status":
-            return status(args)
-        if args.verb == "plot":
-            return plot(args.runs, args.out)
-        if args.verb == "chat":
-            return chat(args)
-        if args.verb == "generate":
-            from weights import load_model, load_tokenizer
+    # A damaged checkpoint is a failure (exit 1), a path that holds none bad input (2): their classes say (common/outcome.py).
+    if args.verb == "status":
+        return status(args)
+    if args.verb == "plot":
+        return plot(args.runs, args.out)
+    if args.verb == "chat":
+        return chat(args)
+    if args.verb == "generate":
+        from weights import load_model, load_tokenizer
 
-            try:
-                print(generate_text(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
-                                    args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
-            except ValueError as err:  # a request the model cannot serve (past its positions)
-                raise CommandError(f"generate: {err}") from None
-            return 0
-        if args.verb == "export":
-            from weights import export
+        try:
+            print(generate_text(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
+                                args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
+        except ValueError as err:  # a request the model cannot serve (past its positions)
+            raise CommandError(f"generate: {err}") from None
+        return 0
+    if args.verb == "export":
+        from weights import export
 
-            try:
-                print(f"wrote {export(args.path, args.format, args.out, args.base, args.with_base)}")
-                if args.format == "peft" and args.base is None and not args.with_base:
-                    print("export: base_model_name_or_path names the base run's checkpoint, which PEFT does not read; give "
-                          "--with-base (its Hugging Face export inside the folder) or --base NAME (docs/lora.md)", file=sys.stderr)
-            except OSError as err:
-                raise OSError(err.errno, f"{err.strerror}; nothing was written", err.filename or str(args.out)) from None
-            return 0
-        if args.verb == "convert":
-            from .convert import convert
+        try:
+            print(f"wrote {export(args.path, args.format, args.out, args.base, args.with_base)}")
+            if args.format == "peft" and args.base is None and not args.with_base:
+                print("export: base_model_name_or_path names the base run's checkpoint, which PEFT does not read; give "
+                      "--with-base (its Hugging Face export inside the folder) or --base NAME (docs/lora.md)", file=sys.stderr)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror}; nothing was written", err.filename or str(args.out)) from None
+        return 0
+    if args.verb == "convert":
+        from .convert import convert
 
-            return convert(args.path)
-        if args.verb == "inspect":
-            print(json.dumps(inspect_path(args.path), indent=1))
-            return 0
-        result = compare_runs(args.run_a, args.run_b)
-        print(json.dumps(result, indent=1))
-        return 0 if result["identical"] else 1
-    except storage.CheckpointError as e:  # a checkpoint this command cannot use is bad input to it
-        raise CommandError(str(e)) from None
+        return convert(args.path)
+    if args.verb == "inspect":
+        print(json.dumps(inspect_path(args.path), indent=1))
+        return 0
+    result = compare_runs(args.run_a, args.run_b)
+    print(json.dumps(result, indent=1))
+    return 0 if result["identical"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,7 @@ def exit_code(outcome: str) -> int:
 
 def command(main, argv: list[str] | None = None) -> int:
     """Run a command's `main(argv)` as every command of this repository ends: its own code, or 2 for
-    bad input and 1 for an I/O failure with one line on stderr and no traceback; a reader that goes
+    bad input and 1 for a failure (a damaged checkpoint, I/O) with one line on stderr and no traceback; a reader that goes
     away (`| head`) ends it quietly with 0, never blaming an input file."""
     import os
 
@@ -93,6 +93,9 @@ def command(main, argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_code("bad_input")
+    except Failed as e:  # a damaged checkpoint, a stalled disk: said in one line, exit 1
+        print(f"error: {e}", file=sys.stderr)
+        return exit_code("failed")
     except OSError as e:
         print(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return exit_code("failed")

@@ -104,11 +104,6 @@ class ModelConfig:
             raise TypeError(f"unknown model keys {unknown}")
         return cls(**d)
 
-    @property
-    def head_size(self) -> int:
-        """The width of each head: model.head_dim, or dim / n_heads."""
-        return self.head_dim or self.dim // self.n_heads
-
     def architecture(self) -> dict:
         """The fields that change the function the weights compute, as they act (the derived head and
         feed-forward widths, not how they were given): part of the model's identity (docs/design.md
@@ -119,6 +114,11 @@ class ModelConfig:
                 "norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
                 "moe": {"experts": moe.experts, "top_k": moe.top_k, "norm_topk_prob": moe.norm_topk_prob,
                         "expert_dim": self.expert_dim} if moe.experts else None}
+
+    @property
+    def head_size(self) -> int:
+        """The width of each head: model.head_dim, or dim / n_heads."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:

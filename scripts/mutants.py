@@ -7,7 +7,8 @@ First the tests named below run there unmutated: they must pass, or a "caught" w
 Then each mutant replaces one exact piece of text in one file (it must occur exactly once, else
 the mutant no longer fits the code and the script fails), the tests named for it run with `-x`,
 and the file is put back. One line per mutant: `caught by <test>` or `SURVIVED`. Exit 0 only when
-every mutant is caught; 1 when one survived; 2 when a mutant no longer applies or the baseline fails.
+every mutant is caught; 1 when one survived; 2 when a mutant no longer applies, the baseline fails or
+skips a test, or a mutant's tests were skipped (a skip proves nothing).
 """
 from __future__ import annotations
 
@@ -279,28 +280,6 @@ MUTANTS = (
     Mutant("chat-sampling-defaults-split", "chat and generate share one set of sampling defaults (docs/sft.md)",
            "cli/__init__.py", "    _sampling_arguments(ch)\n", "    _sampling_arguments(ch)\n    ch.set_defaults(temperature=0.0)\n",
            ("tests/test_exports.py::test_chat_and_generate_have_one_set_of_sampling_defaults_a_sampling_one_with_a_repetition_penalty",)),
-    Mutant("chunk-coverage-unchecked", "every tensor's chunks in DCP's metadata cover it exactly once: nothing is left as memory held it (I10, I13)",
-           "checkpoint/format.py", "        if sum(math.prod(b[1]) for b in boxes) != math.prod(size):\n", "        if False:\n",
-           ("tests/test_checkpoint_hardening.py::test_a_tensor_whose_chunks_leave_a_gap_is_refused_not_loaded_with_what_memory_held",)),
-    Mutant("symlink-followed", "nothing in a step folder is followed through a symbolic link: nothing outside the run is deleted (I13)",
-           "checkpoint/files.py", "            if stat.S_ISLNK(os.lstat(path).st_mode):\n", "            if False:\n",
-           ("tests/test_checkpoint_hardening.py::test_republishing_a_step_whose_state_folder_is_a_link_deletes_nothing_at_the_links_target",)),
-    Mutant("full-disk-unnamed", "a full disk while the states are written is named with the file, not torch's \"unexpected pos\" (I16)",
-           "checkpoint/format.py", '        except Exception as e:  # torch\'s zip writer hides the real error (a RuntimeError, "unexpected pos"): name it and the file\n',
-           "        except OSError as e:\n",
-           ("tests/test_checkpoint_hardening.py::test_a_full_disk_while_dcp_writes_the_states_names_the_file_and_no_space_left_on_device",)),
-    Mutant("publish-listed-files-unchecked", "the coordinator publishes only files every rank listed that it can verify (I8)",
-           "checkpoint/format.py", '            check_written(self.folder, entries, own=f"{STATE}/__{self.rank}_0.distcp")\n', "            pass\n",
-           ("tests/test_checkpoint_hardening.py::test_the_coordinator_publishes_only_when_every_file_another_rank_listed_is_here_and_verifies",)),
-    Mutant("compressed-record-read", "an item whose zip records are compressed is refused before it inflates (I10)",
-           "checkpoint/format.py", "        if r.compress_type != zipfile.ZIP_STORED or r.file_size > size:\n", "        if False:\n",
-           ("tests/test_checkpoint_hardening.py::test_an_item_whose_zip_records_are_compressed_is_refused_before_it_inflates",)),
-    Mutant("structure-mismatch-unnamed", "a checkpoint of another structure is refused naming the key, not reported as damaged (I16)",
-           "checkpoint/manager.py", "        if any(misfits):\n", "        if False:\n",
-           ("tests/test_checkpoint_hardening.py::test_a_state_of_another_shape_after_a_may_change_key_is_refused_naming_the_tensor_and_the_key",)),
-    Mutant("old-layout-exit-1", "a checkpoint of the earlier layout is bad input (exit 2) with the command that converts it (I16)",
-           "checkpoint/storage.py", "class OldLayout(CheckpointError, BadInput):\n", "class OldLayout(CheckpointError):\n",
-           ("tests/test_checkpoint_hardening.py::test_a_checkpoint_of_the_earlier_layout_is_bad_input_for_a_run",)),
     Mutant("reward-timeout-ignored", "a reward call is bounded by train.grpo.reward_timeout_s: a hanging one fails every rank, named (I24)",
            "objectives/rewards.py", "signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.5)", "signal.setitimer(signal.ITIMER_REAL, 0)",
            ("tests/test_grpo.py::test_a_reward_call_is_interrupted_at_its_timeout_even_when_it_catches_every_exception",
@@ -324,6 +303,50 @@ MUTANTS = (
     Mutant("moe-keys-without-experts", "a model.moe key set without experts is refused naming it",
            "model/config.py", 'self.experts or f.name == "experts"', 'True or f.name == "experts"',
            ("tests/test_models.py::test_a_model_config_that_cannot_be_built_names_the_key_and_both_values",)),
+    Mutant("identity-in-dict-order", "a model's identity is the same however its source was read (I30)",
+           "checkpoint/storage.py", "    for name in sorted(state_dict):\n", "    for name in state_dict:\n",
+           ("tests/test_identity.py::test_the_identity_is_one_in_any_dict_order_and_another_for_a_name_a_shape_or_a_byte",
+            "tests/test_identity.py::test_the_same_weights_from_a_run_folder_an_hf_folder_a_minimind_pth_and_safetensors_have_one_identity_in_every_process")),
+    Mutant("identity-without-names-or-shapes", "a model's identity covers its parameters' names and shapes and its architecture (I30)",
+           "checkpoint/storage.py", '        h.update(f"{name}\\0float32\\0{list(t.shape)}\\n".encode())\n', "",
+           ("tests/test_identity.py::test_the_identity_is_one_in_any_dict_order_and_another_for_a_name_a_shape_or_a_byte",)),
+    Mutant("identity-without-architecture", "two head layouts over the same bytes are two identities (I30)",
+           "checkpoint/storage.py", 'json.dumps({"identity": IDENTITY, "architecture": architecture}', 'json.dumps({"identity": IDENTITY}',
+           ("tests/test_identity.py::test_two_seeded_inits_with_4_and_8_heads_share_their_bytes_but_not_their_identity",)),
+    Mutant("loaded-identity-unchecked", "what a resume loaded is what was saved: its identity is the manifest's (I30)",
+           "checkpoint/manager.py", '            self._check_identity(path, manifest, target["model"])\n', "            pass\n",
+           ("tests/test_identity.py::test_a_step_folder_whose_metadata_swaps_two_tensors_and_whose_manifest_was_updated_falls_back_to_the_previous_one",)),
+    Mutant("seeded-base-reseeds-the-run", "reading a pinned model leaves the run's global generators alone (I6)",
+           "weights/sources.py", "        with generators_apart():", "        with torch.random.fork_rng(devices=[]):",
+           ("tests/test_identity.py::test_reading_a_seeded_init_as_a_base_or_reference_leaves_pythons_numpys_and_torchs_generators_alone",)),
+    Mutant("dpo-table-keyed-by-path", "DPO's precomputed table is named by the rows' content, not their path (I31)",
+           "objectives/dpo.py", "json.dumps(fingerprint, sort_keys=True, default=str).encode()", "str(dataset.bin_path).encode()",
+           ("tests/test_dpo.py::test_an_edited_preference_file_of_the_same_size_gets_a_new_table_and_the_stale_one_is_removed",)),
+    Mutant("dpo-precompute-without-autocast", "the precomputed reference runs under the live one's autocast (I31)",
+           "objectives/dpo.py", 'autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)', "autocast = nullcontext()",
+           ("tests/test_dpo.py::test_live_and_precomputed_references_give_the_same_bits_under_bfloat16_autocast",)),
+    Mutant("chunk-coverage-unchecked", "every tensor's chunks in DCP's metadata cover it exactly once: nothing is left as memory held it (I10, I13)",
+           "checkpoint/format.py", "        if sum(math.prod(b[1]) for b in boxes) != math.prod(size):\n", "        if False:\n",
+           ("tests/test_checkpoint_hardening.py::test_a_tensor_whose_chunks_leave_a_gap_is_refused_not_loaded_with_what_memory_held",)),
+    Mutant("symlink-followed", "nothing in a step folder is followed through a symbolic link: nothing outside the run is deleted (I13)",
+           "checkpoint/files.py", "            if stat.S_ISLNK(os.lstat(path).st_mode):\n", "            if False:\n",
+           ("tests/test_checkpoint_hardening.py::test_republishing_a_step_whose_state_folder_is_a_link_deletes_nothing_at_the_links_target",)),
+    Mutant("full-disk-unnamed", "a full disk while the states are written is named with the file, not torch's \"unexpected pos\" (I16)",
+           "checkpoint/format.py", '        except Exception as e:  # torch\'s zip writer hides the real error (a RuntimeError, "unexpected pos"): name it and the file\n',
+           "        except OSError as e:\n",
+           ("tests/test_checkpoint_hardening.py::test_a_full_disk_while_dcp_writes_the_states_names_the_file_and_no_space_left_on_device",)),
+    Mutant("publish-listed-files-unchecked", "the coordinator publishes only files every rank listed that it can verify (I8)",
+           "checkpoint/format.py", '            check_written(self.folder, entries, own=f"{STATE}/__{self.rank}_0.distcp")\n', "            pass\n",
+           ("tests/test_checkpoint_hardening.py::test_the_coordinator_publishes_only_when_every_file_another_rank_listed_is_here_and_verifies",)),
+    Mutant("compressed-record-read", "an item whose zip records are compressed is refused before it inflates (I10)",
+           "checkpoint/format.py", "        if r.compress_type != zipfile.ZIP_STORED or r.file_size > size:\n", "        if False:\n",
+           ("tests/test_checkpoint_hardening.py::test_an_item_whose_zip_records_are_compressed_is_refused_before_it_inflates",)),
+    Mutant("structure-mismatch-unnamed", "a checkpoint of another structure is refused naming the key, not reported as damaged (I16)",
+           "checkpoint/manager.py", "        if any(misfits):\n", "        if False:\n",
+           ("tests/test_checkpoint_hardening.py::test_a_state_of_another_shape_after_a_may_change_key_is_refused_naming_the_tensor_and_the_key",)),
+    Mutant("old-layout-exit-1", "a checkpoint of the earlier layout is bad input (exit 2) with the command that converts it (I16)",
+           "checkpoint/storage.py", "class OldLayout(CheckpointError, BadInput):\n", "class OldLayout(CheckpointError):\n",
+           ("tests/test_checkpoint_hardening.py::test_a_checkpoint_of_the_earlier_layout_is_bad_input_for_a_run",)),
     Mutant("preempt-exit-trap-fails", "scripts/preempt.sh exits 0 after PASS: its EXIT trap ends in no failed test (I16)",
            "scripts/preempt.sh", 'cleanup() { if [ -n "$PGID" ]; then kill_tree KILL "$PGID"; fi; }', 'cleanup() { [ -n "$PGID" ] && kill_tree KILL "$PGID"; }',
            ("tests/test_first_hour.py::test_preempt_sh_prints_pass_and_exits_0_in_both_documented_modes[default]",)),
@@ -366,7 +389,7 @@ def copy_repository(dest: Path) -> None:
 
 
 def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
@@ -435,8 +458,12 @@ def main(argv: list[str] | None = None) -> int:
             if code != 0:
                 print(f"mutants: the tests fail without any mutant (exit {code}); nothing is proved:\n{out[-4000:]}", file=sys.stderr)
                 return 2
+            if skipped := re.findall(r"^SKIPPED .*$", out, flags=re.M):
+                print(f"mutants: {len(skipped)} of the tests skip without any mutant, so nothing they would catch is proved "
+                      f"(install what they need, or give --only):\n" + "\n".join(skipped[:10]), file=sys.stderr)
+                return 2
             print(f"baseline: {len(tests)} tests pass unmutated ({time.monotonic() - t0:.0f} s)", flush=True)
-        survived = []
+        survived, unproved = [], 0
         for m in chosen:
             path = (repo / m.file)
             original = path.read_text()
@@ -446,21 +473,31 @@ def main(argv: list[str] | None = None) -> int:
                 code, out = pytest(repo, m.tests, a.timeout)
             finally:
                 path.write_text(original)
-            failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
-            errors = re.findall(r"^ERROR (\S+)", out, flags=re.M)
-            if code == 1 and failed and not errors:  # a test that ran and failed; an error in collection or a fixture proves nothing
-                verdict = f"caught by {failed[0]}"
-            elif code == 0:
-                verdict = "SURVIVED"
+            verdict = judge(code, out)
+            if not verdict.startswith("caught"):
                 survived.append(m.name)
-            else:
-                why = f"{len(errors)} collection or fixture error(s), e.g. {errors[0]}" if errors else \
-                    f"pytest {'timed out' if code is None else f'exit {code}'}, no test failed"
-                verdict = f"SURVIVED ({why})"
-                survived.append(m.name)
+                unproved += verdict.startswith("NOT PROVED")
             print(f"{m.name:28} {verdict}  [{time.monotonic() - t1:.0f} s]", flush=True)
         print(f"{len(chosen) - len(survived)} of {len(chosen)} mutants caught in {time.monotonic() - t0:.0f} s")
-    return 1 if survived else 0
+    return 2 if unproved else 1 if survived else 0
+
+
+def judge(code: int | None, out: str) -> str:
+    """A mutant's verdict from its pytest run: "caught by <test>" only for a test that ran and
+    failed; "NOT PROVED" when its tests were skipped (a skip proves nothing: the script fails, exit 2);
+    else "SURVIVED", with why when no test failed for another reason."""
+    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+    errors = re.findall(r"^ERROR (\S+)", out, flags=re.M)
+    skipped = re.findall(r"^SKIPPED \[\d+\] (\S+)", out, flags=re.M)
+    if code == 1 and failed and not errors:  # a test that ran and failed; an error in collection or a fixture proves nothing
+        return f"caught by {failed[0]}"
+    if skipped and not failed:
+        return f"NOT PROVED ({len(skipped)} test(s) skipped, e.g. {skipped[0]})"
+    if code == 0:
+        return "SURVIVED"
+    why = f"{len(errors)} collection or fixture error(s), e.g. {errors[0]}" if errors else \
+        f"pytest {'timed out' if code is None else f'exit {code}'}, no test failed"
+    return f"SURVIVED ({why})"
 
 
 if __name__ == "__main__":

@@ -109,29 +109,19 @@ def reference(tmp_path_factory, epochs, worker_id):
     The pytest-xdist workers share them: the first to need one launches it under a file lock in the
     run's common temporary folder, the others wait for it and read it (every worker's corpus has the
     same bytes, so the run is the same). Tests only read a reference."""
-    import fcntl
     import hashlib
 
     import launch
 
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if worker_id != "master" else root
+    root = launch.shared_root(tmp_path_factory, worker_id)
     made: dict = {}
 
     def get(nproc: int, *extra: str) -> Path:
         key = (nproc, extra)
         if key not in made:
             name = f"reference-{nproc}-{hashlib.sha256(repr(extra).encode()).hexdigest()[:10]}"
-            out, done = root / name, root / f"{name}.done"
-            with open(root / f"{name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its holder dies)
-                if not done.exists():
-                    import shutil
-
-                    shutil.rmtree(out, ignore_errors=True)  # a worker that died mid-launch left it
-                    launch.run(nproc, *epochs, "checkpoint.interval=1", "checkpoint.keep=1000", *extra, f"out_dir={out}")
-                    done.touch()
-            made[key] = out
+            made[key] = launch.once(root, name, lambda out: launch.run(
+                nproc, *epochs, "checkpoint.interval=1", "checkpoint.keep=1000", *extra, f"out_dir={out}"))
         return made[key]
 
     return get

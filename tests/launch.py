@@ -195,3 +195,26 @@ def in_process(*overrides: str) -> tuple[int, str]:
         trained = lines(Path(outs[-1]) / "metrics.jsonl") if outs else 0
         assert trained <= STEP_LIMIT, f"a unit test trained {trained} steps in process (at most {STEP_LIMIT}): mark it e2e"
     return code, err.getvalue()
+
+
+def once(root: Path, name: str, build) -> Path:
+    """`root / name`, built by `build(path)` once for the whole test run: the pytest-xdist workers
+    share it (the first to need it builds it under a file lock in the run's common temporary folder,
+    the others wait for it and read it). Tests only read what it returns."""
+    import fcntl
+    import shutil
+
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its holder dies)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that died mid-build left it
+            build(out)
+            done.touch()
+    return out
+
+
+def shared_root(tmp_path_factory, worker_id: str) -> Path:
+    """The temporary folder every pytest-xdist worker of this test run sees."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if worker_id != "master" else root

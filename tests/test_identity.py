@@ -136,3 +136,44 @@ def test_a_dpo_run_whose_reference_is_an_hf_folder_halted_and_resumed_in_new_pro
     prefs = write(tmp_path / "dpo.jsonl", pairs(24))
     args = [*base(prefs, tmp_path / "cache"), "train.steps=4", f"model.init_from={base_run / 'hf'}"]
     _halted_and_resumed_equals_uninterrupted(args, tmp_path)
+
+
+@pytest.mark.unit
+def test_a_step_folder_whose_metadata_swaps_two_tensors_and_whose_manifest_was_updated_falls_back_to_the_previous_one(tmp_path, caplog):
+    import hashlib
+    import logging
+    import pickle
+
+    from checkpoint import CheckpointConfig, CheckpointManager, ModelState
+    from checkpoint.format import METADATA, read_metadata
+    from test_checkpoint_manager import OneProcess, Train, meta, run_steps
+
+    def states():
+        torch.manual_seed(0)
+        return {"model": ModelState(torch.nn.Linear(3, 3, bias=False).requires_grad_(False)), "train": Train()}
+
+    mgr = CheckpointManager(CheckpointConfig(interval=1, keep=5), tmp_path, OneProcess(), meta())
+    st = states()
+    st["extra"] = ModelState(torch.nn.Linear(3, 3, bias=False))  # a second tensor of the same shape and dtype
+    st["model"].model.weight.add_(1.0)
+    for step in (1, 2):
+        st["train"].step = step
+        mgr.save(step, st, background=False)
+    folder = tmp_path / "checkpoints" / "step_00000002"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    name = f"state/{METADATA}"
+    md = read_metadata((folder / name).read_bytes(), folder / name)
+    keys = {k.fqn: k for k in md.storage_data}
+    a, b = keys["model.weight"], keys["extra.weight"]
+    md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]  # each name reads the other's bytes
+    data = pickle.dumps(md)
+    (folder / name).write_bytes(data)
+    manifest["files"][name] = {**manifest["files"][name], "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    fresh = states()
+    fresh["extra"] = ModelState(torch.nn.Linear(3, 3, bias=False))
+    with caplog.at_level(logging.WARNING, logger="minimind"):
+        resumed = CheckpointManager(CheckpointConfig(), tmp_path, OneProcess(), meta()).load(fresh)
+    assert resumed.step == 1, "the swapped tensors were loaded"
+    assert "the loaded model's identity" in caplog.text and "step_00000002" in caplog.text
+    assert torch.equal(fresh["model"].model.weight, st["model"].model.weight)

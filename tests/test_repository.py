@@ -222,3 +222,17 @@ def test_the_shell_scripts_take_every_exit_code_from_the_one_table():
         assert not literal, f"{script} exits with a literal code: {literal}"
         for name in re.findall(r"\$\(code (\w+)\)", text):
             assert name in EXIT_CODES, f"{script} asks for an outcome the table does not have: {name}"
+
+
+def test_a_mutant_whose_tests_were_skipped_is_not_proved_and_fails_the_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
+    mutants = importlib.util.module_from_spec(spec)
+    sys.modules["mutants"] = mutants
+    spec.loader.exec_module(mutants)
+    skipped = "s\nSKIPPED [1] tests/test_slurm.py:32: no Slurm here\n1 skipped in 0.1s\n"
+    assert mutants.judge(0, skipped).startswith("NOT PROVED (1 test(s) skipped, e.g. tests/test_slurm.py:32")
+    assert mutants.judge(1, "F\nFAILED tests/test_a.py::test_b - assert\n1 failed\n") == "caught by tests/test_a.py::test_b"
+    assert mutants.judge(0, ".\n1 passed\n") == "SURVIVED"
+    assert mutants.judge(1, "E\nERROR tests/test_a.py - ImportError\n").startswith("SURVIVED (1 collection")

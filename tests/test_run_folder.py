@@ -228,7 +228,7 @@ def run_cli(*args, in_process: bool = False):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path, halted):
+def test_a_tampered_manifest_is_a_damaged_checkpoint_for_inspect_and_generate_exit_1_named(tmp_path, halted):
     out = copy_of(halted, tmp_path)
     folder = out / "checkpoints" / "step_00000008"
     manifest = json.loads((folder / storage.MANIFEST).read_text())
@@ -236,7 +236,7 @@ def test_a_tampered_manifest_is_a_clear_error_for_inspect_and_generate(tmp_path,
     (folder / storage.MANIFEST).write_text(json.dumps(manifest))
     for verb in ("inspect", "generate"):
         proc = run_cli(verb, folder)
-        assert proc.returncode == 2 and "the entry for state/__0_0.distcp is not" in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.returncode == 1 and "the entry for state/__0_0.distcp is not" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_compare_tells_an_unreadable_metrics_file_from_runs_that_differ(tmp_path, halted):
