@@ -111,7 +111,7 @@ def test_the_same_weights_from_a_run_folder_an_hf_folder_a_minimind_pth_and_safe
     assert len(set(seen[0].values())) == 1, seen[0]
 
 
-def _halted_and_resumed_equals_uninterrupted(args: list[str], root: Path) -> None:
+def check_halted_and_resumed_equals_uninterrupted(args: list[str], root: Path) -> None:
     launch.run(0, *args, f"out_dir={root / 'one'}")
     launch.run(0, *args, "train.halt_at=2", f"out_dir={root / 'two'}")
     resumed = launch.run(0, *args, f"out_dir={root / 'two'}")
@@ -126,7 +126,7 @@ def _halted_and_resumed_equals_uninterrupted(args: list[str], root: Path) -> Non
 @pytest.mark.e2e
 def test_a_lora_run_over_an_hf_folder_halted_and_resumed_in_new_processes_is_the_uninterrupted_run_and_exports(base_run, tiny, tmp_path):
     lora = ["train.lora.rank=4", "train.lora.targets=q_proj,v_proj", "train.steps=4", f"model.init_from={base_run / 'hf'}"]
-    _halted_and_resumed_equals_uninterrupted([*tiny, *lora], tmp_path)
+    check_halted_and_resumed_equals_uninterrupted([*tiny, *lora], tmp_path)
 
 
 @pytest.mark.e2e
@@ -135,7 +135,7 @@ def test_a_dpo_run_whose_reference_is_an_hf_folder_halted_and_resumed_in_new_pro
 
     prefs = write(tmp_path / "dpo.jsonl", pairs(24))
     args = [*base(prefs, tmp_path / "cache"), "train.steps=4", f"model.init_from={base_run / 'hf'}"]
-    _halted_and_resumed_equals_uninterrupted(args, tmp_path)
+    check_halted_and_resumed_equals_uninterrupted(args, tmp_path)
 
 
 @pytest.mark.unit
