@@ -240,10 +240,12 @@ def find_checkpoint(path: Path, verify_all: bool = False) -> tuple[Path, dict, l
     root = checkpoints_root(path)
     newest, listing = scan(root, verify_all)
     if newest is None:
-        if not listing:
+        skipped = [f"{p}: a symbolic link (checkpoints are never followed through links)"  # named, never followed
+                   for p in sorted(root.iterdir()) if _NAME.match(p.name) and p.is_symlink()] if root.is_dir() else []
+        if not listing and not skipped:
             raise NoCheckpoint(f"{path}: no checkpoint (looked in {root}): give a run folder or one of its checkpoints/step_* folders")
         raise CheckpointError(f"{path}: no valid checkpoint (looked in {root}): "
-                              + "; ".join(f"step {step}: {error}" for step, _, error in listing if error)[:2000])
+                              + "; ".join([f"step {step}: {error}" for step, _, error in listing if error] + skipped)[:2000])
     manifest = read_manifest(newest)  # scan verified it
     for step, folder, error in listing:
         if error is not None and step > manifest["step"]:

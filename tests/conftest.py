@@ -18,6 +18,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                                                      / "minimind-trainer" / "inductor"))
 
+# The same kernels on every x86-64 CPU with AVX2 (before torch is imported: these are read once):
+# ATen's vectorized ops, MKL's GEMMs and oneDNN each pick their code path by the CPU, so a run's bits
+# on an AVX-512 machine differ from an AVX2 one's in the last places (7e-9 in 4 steps, measured).
+# Within a machine nothing changes; the committed fixtures (tests/fixtures/prev_release/) were written
+# under the same three settings, so their bits are this suite's wherever it runs.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+if "torch" not in sys.modules:
+    for _key, _value in PORTABLE_KERNELS.items():
+        os.environ.setdefault(_key, _value)
+
 UNIT_STEP_LIMIT = 8
 """The most optimizer steps a unit test may train in this process (docs/tests.md, "Tiers")."""
 

@@ -126,6 +126,14 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line, "" once it has gone (a child may exit between listing and reading)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> list[int]:
     out = []
     for c in children(pid):
@@ -143,7 +151,7 @@ def alive(pid: int) -> bool:
 
 def workers(agent_pid: int) -> list[int]:
     """torchrun's worker processes (its python children), sorted by pid = by local rank."""
-    return sorted(p for p in children(agent_pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+    return sorted(p for p in children(agent_pid) if "train.py" in cmdline(p))
 
 
 def kill_tree(pid: int, sig: int) -> None:

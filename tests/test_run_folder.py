@@ -118,7 +118,7 @@ def test_sigterm_to_torchrun_or_the_whole_tree_at_any_moment_makes_train_sh_exit
     cmd = ["bash", "scripts/train.sh", *epochs, f"data.cache_dir={cache}", "checkpoint.interval=4", f"out_dir={out}"]
 
     def agent(proc):
-        found = [p for p in launch.children(proc.pid) if b"runtime.launch" in open(f"/proc/{p}/cmdline", "rb").read()]
+        found = [p for p in launch.children(proc.pid) if "runtime.launch" in launch.cmdline(p)]
         return found[0] if found else None
 
     stops = [  # (where, whom, the test double of train.py, when to signal)
