@@ -7,6 +7,8 @@ and what was expected. `python train.py --help` lists every key with its default
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,12 +300,17 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def parse_overrides(overrides: list[str]) -> dict:
+ENV_OVERRIDES = "MINIMIND_OVERRIDES"
+"""An environment variable of key=value overrides between the YAML and the command line (docs/tests.md
+"The docs test": the documented commands run as written, on a tiny model)."""
+
+
+def parse_overrides(overrides: list[str], where: str = "command line") -> dict:
     """`["train.lr=3e-4", "seed=1"]` -> nested dict; values are parsed as YAML scalars."""
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"command line: expected key=value, got {item!r}")
+            raise ConfigError(f"{where}: expected key=value, got {item!r}")
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
@@ -314,13 +321,13 @@ def parse_overrides(overrides: list[str]) -> dict:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"command line: {key} conflicts with another override")
+                raise ConfigError(f"{where}: {key} conflicts with another override")
         node[parts[-1]] = value
     return tree
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults < YAML file at `path` < `overrides` ("a.b=value")."""
+    """Defaults < YAML file at `path` < $MINIMIND_OVERRIDES < `overrides` ("a.b=value")."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -334,9 +341,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
         _build(Config, loaded, "", str(path), construct=False)  # key and type errors name the file
         data = loaded
+    env = parse_overrides(shlex.split(os.environ.get(ENV_OVERRIDES, "")), ENV_OVERRIDES)
+    _build(Config, env, "", ENV_OVERRIDES, construct=False)
     cli = parse_overrides(overrides or [])
     _build(Config, cli, "", "command line", construct=False)
-    merged = _merge(data, cli)
+    merged = _merge(_merge(data, env), cli)
     cfg = _build(Config, merged, "", "config")
     # The model's vocabulary follows the tokenizer; a model.vocab_size that was given must agree.
     tok = load_tokenizer(cfg)

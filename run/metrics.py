@@ -15,7 +15,7 @@ from checkpoint.storage import CheckpointError
 from . import tracking
 
 log = logging.getLogger("minimind")
-TIMING = ("tokens_per_s", "step_s", "elapsed_s")
+TIMING = ("tokens_per_s", "step_s", "elapsed_s", "rollout_s")
 """The only fields of a metrics line that differ between an interrupted run and the one that was not."""
 
 

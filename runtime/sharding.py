@@ -43,10 +43,15 @@ def shard(model: torch.nn.Module, dtype: str, reshard_after_forward: bool) -> to
 
 
 def load_full(model: torch.nn.Module, full_state: dict, strict: bool = True) -> None:
-    """Every rank holds the same whole state dict (or, not strict, part of it): each keeps its shards of it."""
+    """Every rank holds the same whole state dict (or, not strict, part of it): each keeps its shards of it.
+    The tensors are scattered one collective per key in the dict's order, so every rank hands them over
+    in the model's own order: a dict read from a file or built through a set may list them otherwise on
+    another rank (string hashing differs per process), and the ranks' collectives would not match."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    order = list(model.state_dict())
+    ordered = {k: full_state[k] for k in order if k in full_state} | {k: v for k, v in full_state.items() if k not in set(order)}
+    set_model_state_dict(model, ordered, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def fsdp_modules(model: torch.nn.Module) -> list:

@@ -1,0 +1,131 @@
+"""The docs test (docs/tests.md "The docs test"): every command in the bash blocks of README.md and
+docs/*.md runs as written, in the docs' order, in one fresh copy of the repository, with a tiny
+model and short runs through MINIMIND_OVERRIDES (the one place the docs mention it), and exits as
+the docs say. A command that cannot run here is in NOT_RUN with the reason and the test that runs
+it instead; a command the docs no longer show fails that table, so it stays current. The inputs the
+docs assume on the reader's disk (a MiniMind tokenizer, their own corpora) are made beside the copy."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launch
+
+DOCS = ["README.md", *sorted(str(p.relative_to(launch.ROOT)) for p in (launch.ROOT / "docs").glob("*.md"))]
+"""README first (it makes runs/tiny and the stages the pages build on), then the pages by name."""
+
+TINY = ("model.dim=32 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 train.steps=80 checkpoint.interval=20 "
+        "log.every=20 log.progress=false")
+"""MINIMIND_OVERRIDES for every command: the recipes' stages at a tiny size, long enough for the
+README's halt at step 60."""
+
+NOT_RUN = {
+    "bash scripts/test.sh": "the suite itself (CI runs it through .ci/run)",
+    "bash scripts/test.sh -m unit": "the suite itself",
+    'bash scripts/test.sh -m "e2e and not elastic and not slurm"': "the suite itself",
+    "bash scripts/test.sh -m elastic": "the suite itself",
+    "bash scripts/test.sh -m slurm": "the suite itself",
+    "bash scripts/mutants.sh": "every test again per mutant (an hour); tests/test_repository.py checks each mutant still fits the code",
+    "bash scripts/preempt.sh --signal KILL --during-save": "tests/test_first_hour.py::test_preempt_sh_prints_pass_and_exits_0_in_both_documented_modes",
+    "bash scripts/preempt.sh": "tests/test_first_hour.py::test_preempt_sh_prints_pass_and_exits_0_in_both_documented_modes",
+    "bash scripts/preempt.sh --signal KILL --during-save --seed 1": "tests/test_first_hour.py (both modes, one kill each)",
+    "sbatch scripts/slurm/train.sbatch out_dir=runs/job": "a Slurm cluster: tests/test_slurm.py submits it (the slurm tier, in CI)",
+    "sbatch [sbatch options] scripts/slurm/train.sbatch [key=value ...]": "a template; tests/test_slurm.py submits it",
+    "torchrun --nnodes=2 --nproc_per_node=1 --max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=job train.py ...":
+        "a template for two nodes; tests/test_preempt_e2e.py::test_a_node_that_dies_is_replaced_and_the_job_resumes_by_itself",
+    ".venv/bin/python scripts/bench.py --json docs/bench.json": "the benchmark (30 min): docs/bench.json is its output",
+    ".venv/bin/python scripts/bench.py --only peer": "MiniMind's own trainer, installed by the bench: docs/bench.json",
+    ".venv/bin/python scripts/resume_lab.py": "tests/test_resume_lab.py runs the lab",
+    "git clone https://github.com/jingyaogong/minimind": "the network: the copy's minimind/model/ is made from ../shared/minimind",
+    ".venv/bin/tensorboard --logdir runs/watched/tensorboard": "a server; tests/test_watching.py reads the event files it shows",
+}
+
+EXIT = {".venv/bin/python -m checkpoint compare runs/demo runs/demo_1": 0}
+"""Exit codes the docs promise other than 0 (and 0 where it is the finding: identical)."""
+
+STDIN = {".venv/bin/python -m checkpoint chat runs/sft_tiny": "What does len do?\n"}
+
+
+def commands() -> list[tuple[str, str, str]]:
+    """(page, the command as the docs write it, the block's shell assignments before it), in order."""
+    out = []
+    for page in DOCS:
+        text = (launch.ROOT / page).read_text()
+        for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
+            assignments = []
+            for line in block.splitlines():
+                command = re.split(r"\s{2,}#", line, maxsplit=1)[0].strip()
+                if not command or command.startswith("#"):
+                    continue
+                if re.match(r"^[A-Z_]+=\"[^\"]*\"$", command):
+                    assignments.append(command)
+                    continue
+                out.append((page, command, "\n".join(assignments)))
+    return out
+
+
+def inputs(copy: Path) -> None:
+    """What the docs assume the reader has: MiniMind's tokenizer beside the repository and in a clone
+    of MiniMind inside it, and corpora of their own (pretraining text, chats, gzipped JSONL)."""
+    shared = launch.ROOT.parent / "shared" / "minimind" / "tokenizer.json"
+    for where in (copy.parent / "minimind" / "model", copy / "minimind" / "model"):
+        where.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shared, where / "tokenizer.json")
+    from test_chat import conversations
+
+    texts = [{"text": f"Sample {i}: the river runs past the stone, and the bird sings to the moon {i % 7} times."} for i in range(400)]
+    for name in ("pretrain.jsonl", "pretrain_hq.jsonl"):
+        (copy / name).write_text("".join(json.dumps(t) + "\n" for t in texts))
+    (copy / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations()))
+    (copy / "corpus").mkdir()
+    with gzip.open(copy / "corpus" / "part1.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(t) + "\n" for t in texts)
+
+
+def fresh_copy(where: Path) -> Path:
+    """The repository's files as a clone would have them (tracked and new, nothing ignored), with the
+    test's virtual environment as its .venv (the scripts would otherwise install one)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=launch.ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    copy = where / "repo"
+    for name in filter(None, listed):
+        src = launch.ROOT / name
+        if src.is_file() and not src.is_symlink():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, copy / name)
+    (copy / ".venv").symlink_to(sys.prefix)
+    return copy
+
+
+@pytest.mark.unit
+def test_every_command_the_docs_no_longer_show_is_out_of_the_not_run_table():
+    shown = {command for _, command, _ in commands()}
+    assert not set(NOT_RUN) - shown, set(NOT_RUN) - shown
+    assert set(EXIT) <= shown and set(STDIN) <= shown
+
+
+@pytest.mark.docs
+@pytest.mark.e2e
+def test_every_command_the_docs_show_runs_as_written_and_exits_as_they_say(tmp_path):
+    copy = fresh_copy(tmp_path)
+    inputs(copy)
+    env = {**os.environ, "MINIMIND_OVERRIDES": TINY}
+    ran = []
+    for page, command, assignments in commands():
+        if command in NOT_RUN:
+            continue
+        proc = subprocess.run(["bash", "-c", f"{assignments}\n{command}"], cwd=copy, capture_output=True, text=True,
+                              input=STDIN.get(command, ""), timeout=900, env=env)
+        want = EXIT.get(command, 0)
+        assert proc.returncode == want, f"{page}: {command}\nexit {proc.returncode}, the docs say {want}\n" \
+                                        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        ran.append(command)
+    assert len(ran) >= 30, ran
