@@ -134,7 +134,7 @@ def read_items(path: Path) -> tuple[Item, ...]:
         a = next((k for k in ("answer", "Answer") if k in row), None)
         if letters is None:  # A, B, ... as far as the first row goes
             letters = ""
-            while len(letters) < len(LETTERS) and row.get(LETTERS[len(letters)]) not in (None, ""):
+            while len(letters) < len(LETTERS) and LETTERS[len(letters)] in row:
                 letters += LETTERS[len(letters)]
             letters = letters if len(letters) >= 2 else "AB"
         missing = ([] if q else ["question"]) + [c for c in letters if c not in row] + ([] if a else ["answer"])
@@ -252,12 +252,12 @@ def evaluate_tasks(model, tok, tasks: list[Task], rank: int = 0, world_size: int
     flat = [(t, item) for t in tasks for item in t.items]
     mine = list(range(rank, len(flat), world_size))
     rounds = -(-len(flat) // world_size) if sharded else len(mine)
+    device = model.tok_embeddings.weight.device
+    cuda = [device.index or 0] if device.type == "cuda" else []
     was_training, got = model.training, []
-    model.eval()
+    model.eval()  # no dropout, and the generators forked: nothing of training's is drawn (docs/design.md I15)
     try:
-        device = model.tok_embeddings.weight.device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), \
-                torch.compiler.set_stance("force_eager"):
+        with torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"):
             for r in range(rounds):
                 k = mine[r] if r < len(mine) else (mine[0] if mine else 0)
                 scored = score_item(model, tok, flat[k][1], flat[k][0].style, autocast)
@@ -311,15 +311,18 @@ def read_documents(path: Path) -> list[str]:
 
 
 def rolling_windows(ids: list[int], prefix: int, length: int) -> list[tuple[list[int], list[int]]]:
-    """The harness's rolling windows with one token of context: (context, predicted ids) covering
-    every id once, `length` at a time, the first after `prefix` (BOS)."""
+    """The harness's rolling windows (get_rolling_token_windows with one token of context, made disjoint):
+    (context, predicted ids) covering every id once, `length` at a time; the first after `prefix` (BOS),
+    a full one after the id before it, the last, shorter one after as many ids before it as fill the window."""
     out, done = [], min(length, len(ids))
     if ids:
         out.append(([prefix], ids[:done]))
     while done < len(ids):
         n = min(len(ids) - done, length)
-        out.append(([ids[done - 1]], ids[done: done + n]))
-        done += n
+        end = done + n
+        window = ids[end - length - 1: end - 1]
+        out.append((window[: len(window) - (n - 1)], ids[end - n: end]))
+        done = end
     return out
 
 
