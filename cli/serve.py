@@ -202,15 +202,35 @@ class Job:
     cancelled: bool = False
     gen: object = None
     text: object = None
+    pending: str = ""
+    sent_at: float | None = None
     queued_at: float = field(default_factory=time.perf_counter)
+
+    def send(self, piece: str, now: float, every: float) -> None:
+        """Hand `piece` on with what is pending: the first at once, then at most one piece per `every`
+        seconds (each hand-off wakes the server's event loop, whose work the generation thread waits for)."""
+        self.pending += piece
+        if self.pending and (self.sent_at is None or now - self.sent_at >= every):
+            self.emit(("delta", self.pending))
+            self.pending, self.sent_at = "", now
+
+    def flush(self) -> None:
+        if self.pending:
+            self.emit(("delta", self.pending))
+            self.pending = ""
+
+
+STREAM_EVERY_S = 0.02
+"""A reply's text is handed to its stream at most this often (its first piece at once): fewer, longer
+chunks than one per token cost the generation thread less (docs/serving.md, "Several clients")."""
 
 
 class Engine:
     """The model's one worker thread: jobs wait in a queue (at most `queue`), `slots` of them are
     generated in turn, one id each per turn; a cancelled job is dropped at its next turn."""
 
-    def __init__(self, model, tok, slots: int, queue: int) -> None:
-        self.model, self.tok, self.slots, self.queue = model, tok, slots, queue
+    def __init__(self, model, tok, slots: int, queue: int, every: float = STREAM_EVERY_S) -> None:
+        self.model, self.tok, self.slots, self.queue, self.every = model, tok, slots, queue, every
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self.cond = threading.Condition()
@@ -267,15 +287,12 @@ class Engine:
                     nxt = job.gen.step()
                     if nxt is not None:
                         piece, stopped = job.text.add(nxt)
-                        if piece:
-                            job.emit(("delta", piece))
+                        job.send(piece, time.perf_counter(), self.every)
                         if stopped:
                             self._end(job, "stop")
                             continue
                     if job.gen.done:
-                        piece = job.text.finish()
-                        if piece:
-                            job.emit(("delta", piece))
+                        job.send(job.text.finish(), time.perf_counter(), self.every)
                         self._end(job, job.gen.finish)
                 except Exception as e:  # noqa: BLE001 - one request's failure ends it, not the server
                     log.exception("serve: a request failed")
@@ -288,6 +305,7 @@ class Engine:
             self.served += finish is not None
             self.cancelled += job.cancelled
         if finish is not None:
+            job.flush()
             done = len(job.gen.ids) - len(job.prompt)
             job.emit(("end", finish, {"prompt_tokens": len(job.prompt), "completion_tokens": done,
                                       "total_tokens": len(job.prompt) + done}))
@@ -385,10 +403,15 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
         try:
             yield chunk({"role": "assistant", "content": ""})
+            pending = None
             while True:
-                event = await events.get()
-                if event[0] == "delta":
-                    yield chunk({"content": event[1]})
+                event, pending = pending or await events.get(), None
+                if event[0] == "delta":  # the pieces that came while the last chunk was written go out as one
+                    text = event[1]
+                    while pending is None and not events.empty():
+                        nxt = events.get_nowait()
+                        text, pending = (text + nxt[1], None) if nxt[0] == "delta" else (text, nxt)
+                    yield chunk({"content": text})
                 elif event[0] == "error":
                     yield f"data: {json.dumps(ApiError(500, event[1], type='server_error').body())}\n\n"
                     break

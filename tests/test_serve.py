@@ -320,3 +320,28 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_past_the_queue_a_req
             assert waiting and waiting[0].status_code == 200
     finally:
         server.stop()
+
+
+@pytest.mark.unit
+def test_a_lora_run_and_a_minimind3_shaped_moe_run_are_served_with_chats_reply_and_scored_by_eval(tiny, tmp_path):
+    """Any model family here: a LoRA run (its adapters over its pinned base) and a MiniMind-3 shape (q/k
+    norm, an MoE), each loaded as `chat` loads it."""
+    from fastapi.testclient import TestClient
+
+    from cli import chat_reply
+    from cli.serve import make_app
+    from objectives.benchmark import evaluate_tasks, read_tasks
+    from weights import load_model, load_tokenizer
+
+    chat = ["data.path=stdlib-chat", "data.format=chat", "model.seq_len=96", "train.steps=2"]
+    for name, extra in (("base", []), ("lora", ["train.lora.rank=4", f"model.init_from={tmp_path / 'base'}"]),
+                        ("moe", ["model.qk_norm=true", "model.moe.experts=4", "model.moe.top_k=2"])):
+        code, err = launch.in_process(*tiny, *chat, *extra, f"out_dir={tmp_path / name}")
+        assert code == 0, err
+    for name in ("lora", "moe"):
+        model, tok = load_model(tmp_path / name), load_tokenizer(tmp_path / name)
+        with TestClient(make_app(model, tok, name)) as c:
+            got = c.post("/v1/chat/completions", json={"messages": ASK, "temperature": 0, "max_tokens": 16}).json()
+        assert got["choices"][0]["message"]["content"] == chat_reply(model, tok, ASK, 16, 0.0)[0]
+        scores = evaluate_tasks(load_model(tmp_path / name, fp32=True), tok, [read_tasks("arith")[0]])
+        assert scores["overall"]["items"] == 100 and 0 <= scores["overall"]["acc"] <= 1
