@@ -35,6 +35,7 @@ from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
 from objectives import NextToken, evaluate, lr_at, make_objective, make_optimizer, make_plan
+from objectives.benchmark import TaskScores
 from run import folder, tracking
 from run.metrics import Metrics, truncate
 from run.protocol import Protocol, describe as describe_error
@@ -62,6 +63,7 @@ class Run:
     unigram_entropy: float
     sharded: bool
     compiled: runtime.speed.CompileWatch | None
+    tasks: TaskScores
 
     @property
     def states(self) -> dict:
@@ -104,7 +106,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         failed = None
     protocol.agree("set-up", failed)
     run = Run(dataset, val_dataset, plan, spe, model, make_optimizer(model, cfg.train), scaler, TrainState(), ckpt,
-              make_objective(cfg, dataset, plan.micro_batches, model, tok, rt), entropy[0], sharded, watch)
+              make_objective(cfg, dataset, plan.micro_batches, model, tok, rt), entropy[0], sharded, watch, TaskScores(cfg.eval.tasks, tok))
     if rt.is_main:
         log.info("model: %s parameters | world size %d (%s, %s, %d threads/process) | dist.reduce=%s | dist.strategy=%s",
                  f"{model.num_parameters():,}", rt.world_size, rt.backend or "no process group", rt.device, rt.threads,
@@ -272,8 +274,10 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples_seen": run.train_state.samples_seen,
                   **run.objective.step_metrics(rt)}
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
-            record["val_loss"] = evaluate(run.model, run.val_dataset, cfg.train.micro_batch, cfg.eval.samples, rt,
-                                          runtime.autocast(rt.device, cfg.train.dtype), run.sharded)
+            if run.val_dataset is not None:
+                record["val_loss"] = evaluate(run.model, run.val_dataset, cfg.train.micro_batch, cfg.eval.samples, rt,
+                                              runtime.autocast(rt.device, cfg.train.dtype), run.sharded)
+            record.update(run.tasks(run.model, rt, runtime.autocast(rt.device, cfg.train.dtype), run.sharded))  # docs/eval.md
         if cfg.log.sample_ids:
             record["sample_ids"] = indices
         # Rank-local work fails into the boundary's vote, so that every rank learns of it together (docs/design.md I9).

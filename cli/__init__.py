@@ -4,6 +4,10 @@
     compare RUN_A RUN_B         are two runs bit-identical: weights and every logged loss (exit 0 identical, 1 not)
     generate PATH --prompt ...  continue a prompt with the fp16 weights (KV cache; temperature, top-k, top-p, ...)
     chat PATH [--prompt ...]    a fine-tuned run's reply with the tokenizer's chat template (generate's defaults)
+    serve PATH [--port 8000]    an OpenAI-compatible server (chat completions, streamed or not) over the checkpoint
+                                (cli/serve.py, docs/serving.md; FastAPI and uvicorn: requirements-serve.txt)
+    eval PATH --tasks ...       multiple-choice tasks (C-Eval/CMMLU layout, or the built-in arith) scored as
+                                lm-evaluation-harness scores them, and --perplexity FILE (cli/evaluate.py, docs/eval.md)
     export PATH --format minimind|hf|peft --out OUT [--base NAME] [--with-base]
                                 MiniMind's state dict (fp16 .pth), a Hugging Face folder with the tokenizer, or
                                 a LoRA run's PEFT adapter (--with-base: the base's Hugging Face export inside)
@@ -283,6 +287,23 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", help="a system turn in front of the conversation")
     ch.add_argument("--tokens", type=int, default=None, help="new tokens per reply at most (default: up to model.seq_len positions)")
     _sampling_arguments(ch)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the checkpoint: POST /v1/chat/completions, "
+                                      "GET /v1/models (docs/serving.md)")
+    sv.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one, said on stderr; default 8000)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
+    sv.add_argument("--model-name", help="the model id the server reports (default: the run folder's name)")
+    sv.add_argument("--slots", type=int, default=4, help="replies generated in turn, one token each per turn (default 4)")
+    sv.add_argument("--queue", type=int, default=16, help="requests waiting for a slot before more get 429 (default 16)")
+    ev = sub.add_parser("eval", help="score multiple-choice tasks (acc, acc_norm) and perplexity as lm-evaluation-harness does "
+                                     "(docs/eval.md)")
+    ev.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    ev.add_argument("--tasks", nargs="+", metavar="TASK", help="task files (.jsonl or .csv: question, A, B, C, D, answer) or "
+                                                               "'arith' (built in); 'text:TASK' scores each choice's text")
+    ev.add_argument("--perplexity", nargs="+", metavar="FILE", help="held-out text: a .jsonl of {\"text\"} lines or a text file")
+    ev.add_argument("--limit", type=int, help="the first N items of each task")
+    ev.add_argument("--out", type=Path, help="also write the results here, with each item's picks")
     e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf; a LoRA run's "
                                           "merged), or a LoRA run's adapters for PEFT (--format peft)")
     e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
@@ -329,6 +350,14 @@ def _run(argv: list[str] | None) -> int:
         return plot(args.runs, args.out)
     if args.verb == "chat":
         return chat(args)
+    if args.verb == "serve":
+        from .serve import serve
+
+        return serve(args)
+    if args.verb == "eval":
+        from .evaluate import evaluate
+
+        return evaluate(args)
     if args.verb == "generate":
         from weights import load_model, load_tokenizer
 

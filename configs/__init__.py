@@ -183,6 +183,8 @@ class EvalConfig:
     """Validation loss every N optimizer steps and at the last step (0: off). Needs data.val_path or data.val_samples."""
     samples: int = 0
     """Validation samples per evaluation, the first N of the set (0: all)."""
+    tasks: str = ""
+    """Benchmark tasks scored every eval.interval steps, comma-separated: task files or arith, as `eval --tasks` (docs/eval.md)."""
 
     def __post_init__(self) -> None:
         _positive("eval.interval", self.interval, zero_ok=True)
@@ -205,8 +207,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.eval.interval and not (self.data.val_path or self.data.val_samples):
-            raise ConfigError("eval.interval: needs a validation set (data.val_path=FILE or data.val_samples=N)")
+        if self.eval.interval and not (self.data.val_path or self.data.val_samples or self.eval.tasks):
+            raise ConfigError("eval.interval: needs a validation set (data.val_path=FILE or data.val_samples=N) or eval.tasks")
+        if self.eval.tasks and not self.eval.interval:
+            raise ConfigError("eval.tasks: scored every eval.interval steps; set eval.interval=N")
         if self.checkpoint.lock_timeout_s >= self.dist.timeout_s:
             raise ConfigError(f"checkpoint.lock_timeout_s={self.checkpoint.lock_timeout_s:g} must be below dist.timeout_s="
                               f"{self.dist.timeout_s} (the other ranks wait in a collective while rank 0 waits for the lock)")
@@ -354,6 +358,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"model.vocab_size={given}, but data.tokenizer={cfg.data.tokenizer} has {tok.vocab_size} ids: "
                           f"remove model.vocab_size (it follows the tokenizer) or make them equal")
     cfg.model.vocab_size = tok.vocab_size
+    if cfg.eval.tasks:  # a bad task file is said before anything starts
+        from objectives.benchmark import TaskError, read_tasks
+
+        try:
+            read_tasks(cfg.eval.tasks)
+        except TaskError as e:
+            raise ConfigError(f"eval.tasks: {e}") from None
     return cfg
 
 

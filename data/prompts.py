@@ -93,15 +93,20 @@ def write_fields(path: Path, fields: list[dict]) -> None:
             f.write(json.dumps(item, ensure_ascii=False) + "\n")
 
 
+def arith_sums(n: int = 2000, seed: int = 0) -> list[tuple[int, int]]:
+    """The built-in task's sums, (a, b) with operands 0 to 9, a fixed draw: the prompts of
+    build_stdlib_arith and the items of the built-in multiple-choice task (objectives/benchmark.py)."""
+    rnd = random.Random(seed)
+    return [(rnd.randint(0, 9), rnd.randint(0, 9)) for _ in range(n)]
+
+
 def build_stdlib_arith(dest: Path, n: int = 2000, seed: int = 0) -> Path:
-    """The built-in verifiable task: small sums, "What is 3 + 4?" with the answer "7" (operands 0
-    to 9, a fixed draw). Written once."""
+    """The built-in verifiable task: small sums, "What is 3 + 4?" with the answer "7" (arith_sums).
+    Written once."""
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    rnd = random.Random(seed)
     with atomic_file(dest, "w", encoding="utf-8") as out:
-        for _ in range(n):
-            a, b = rnd.randint(0, 9), rnd.randint(0, 9)
+        for a, b in arith_sums(n, seed):
             out.write(json.dumps({"prompt": f"What is {a} + {b}? Answer with the number.", "answer": str(a + b)}) + "\n")
     return dest

@@ -71,7 +71,62 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
         raise ValueError("; ".join(problems))
 
 
-@torch.inference_mode()
+class Generation:
+    """One sequence generated an id at a time: `prompt`, then each `step()` appends the next id
+    (None once `eos` came, which is not appended, or `max_new_tokens` are out). `generate_ids` runs
+    one to its end; the server (cli/serve.py) steps several in turn, each with its own KV cache and
+    generator, so a reply's ids do not depend on the company it is generated in. Under inference
+    mode: no autograd graph is kept, whatever the caller's mode."""
+
+    @torch.inference_mode()
+    def __init__(self, model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
+                 temperature: float = DEFAULTS.temperature, top_k: int = DEFAULTS.top_k, top_p: float = DEFAULTS.top_p,
+                 repetition_penalty: float = DEFAULTS.repetition_penalty, eos: int | None = None,
+                 use_cache: bool = True, seed: int = 0) -> None:
+        limit = model.cfg.seq_len
+        if not prompt:
+            raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
+        check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt is {len(prompt)} tokens, but the model's context is model.seq_len={limit} positions: "
+                             f"shorten it to at most {limit - 1} tokens to generate anything")
+        max_new_tokens = limit - len(prompt) if max_new_tokens is None else max_new_tokens
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens need {len(prompt) + max_new_tokens} "
+                             f"positions, but the rotary tables cover model.seq_len={limit}: ask for at most "
+                             f"{max(0, limit - len(prompt))} new tokens")
+        self.model, self.eos, self.use_cache, self.left = model, eos, use_cache, max_new_tokens
+        self.sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
+        self.device = model.tok_embeddings.weight.device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.ids = list(prompt)
+        self.cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+        self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)
+        self.done = max_new_tokens == 0
+        self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)
+
+    @torch.inference_mode()
+    def step(self) -> int | None:
+        """The next id, appended to `ids`; None when the sequence has ended (EOS or the limit)."""
+        if self.done:
+            return None
+        s, model = self.sampling, self.model
+        if self.use_cache:
+            logits, _ = model(self.next_input, cache=self.cache)
+        else:
+            logits, _ = model(torch.tensor([self.ids], dtype=torch.long, device=self.device))
+        nxt = sample(logits[0, -1].float(), self.ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, self.generator)
+        self.left -= 1
+        if nxt == self.eos:
+            self.done, self.finish = True, "stop"
+            return None
+        self.ids.append(nxt)
+        self.done = self.left == 0
+        self.finish = "length" if self.done else None
+        self.next_input = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
+        return nxt
+
+
 def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
                  temperature: float = DEFAULTS.temperature, top_k: int = DEFAULTS.top_k, top_p: float = DEFAULTS.top_p,
                  repetition_penalty: float = DEFAULTS.repetition_penalty, eos: int | None = None,
@@ -79,32 +134,11 @@ def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | Non
     """`prompt` and up to `max_new_tokens` generated ids (default: up to model.seq_len positions),
     ending early at `eos` (not included). With `use_cache`, each new id costs one position's forward
     over the keys and values kept from before; without, the whole sequence is recomputed every time.
-    Under inference mode: no autograd graph is kept, whatever the caller's mode."""
-    limit = model.cfg.seq_len
-    if not prompt:
-        raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
-    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
-    if len(prompt) >= limit:
-        raise ValueError(f"the prompt is {len(prompt)} tokens, but the model's context is model.seq_len={limit} positions: "
-                         f"shorten it to at most {limit - 1} tokens to generate anything")
-    max_new_tokens = limit - len(prompt) if max_new_tokens is None else max_new_tokens
-    if len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens need {len(prompt) + max_new_tokens} "
-                         f"positions, but the rotary tables cover model.seq_len={limit}: ask for at most "
-                         f"{max(0, limit - len(prompt))} new tokens")
-    device = model.tok_embeddings.weight.device
-    g = torch.Generator().manual_seed(seed)
-    out = list(prompt)
-    cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
-    step = torch.tensor([out], dtype=torch.long, device=device)
-    for _ in range(max_new_tokens):
-        logits, _ = model(step, cache=cache) if use_cache else model(torch.tensor([out], dtype=torch.long, device=device))
-        nxt = sample(logits[0, -1].float(), out, temperature, top_k, top_p, repetition_penalty, g)
-        if nxt == eos:
-            break
-        out.append(nxt)
-        step = torch.tensor([[nxt]], dtype=torch.long, device=device)
-    return out
+    Under inference mode (Generation)."""
+    gen = Generation(model, prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos, use_cache, seed)
+    while gen.step() is not None:
+        pass
+    return gen.ids
 
 
 @torch.inference_mode()

@@ -2,7 +2,8 @@
 micro-batch in, its loss out; a step's metrics; `start`, after the resume, for what it needs beside
 the model; `prepare`, before a step's forwards; `states`, what it adds to a checkpoint), and the
 optimizer with its learning-rate schedule (optim.py). Next-token prediction (pretraining and SFT) is
-next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py."""
+next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py. What a run is
+measured by beside its loss: benchmark tasks scored as lm-evaluation-harness scores them (benchmark.py)."""
 from data import BatchPlan
 
 from .dpo import DPO, DPOConfig

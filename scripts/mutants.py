@@ -36,6 +36,8 @@ class Mutant:
     tests: tuple[str, ...]
 
 
+EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_and_ends_bit_identical_to_the_run_without_weights_losses_"
+                  "and_generators")
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
@@ -371,6 +373,31 @@ MUTANTS = (
     Mutant("metrics-dropped-silently", "a resume says how many metrics lines it dropped and why (I11)",
            "run/metrics.py", "    if dropped or torn:", "    if False:",
            ("tests/test_first_hour.py::test_a_resume_says_how_many_metrics_lines_it_dropped_and_why",)),
+    Mutant("eval-draws-training-randomness", "benchmark tasks scored during training draw nothing from training's generators (I15)",
+           "objectives/benchmark.py", "    model.eval()  # no dropout, and the generators forked: nothing of training's is drawn (docs/design.md I15)\n"
+                                      "    try:\n        with torch.random.fork_rng(devices=cuda), ", "    try:\n        with ",
+           (EVAL_IDENTICAL,)),
+    Mutant("eval-leaves-eval-mode", "benchmark tasks scored during training leave the model training (I15)",
+           "objectives/benchmark.py", "        model.train(was_training)\n", "        pass\n", (EVAL_IDENTICAL,)),
+    Mutant("eval-items-out-of-order", "items scored on several ranks are gathered in item order: one process's figures, item by item",
+           "objectives/benchmark.py", "sorted((pair for part in parts for pair in part), key=lambda p: p[0])", "(pair for part in parts for pair in part)",
+           ("tests/test_eval.py::test_items_split_across_ranks_and_gathered_give_the_one_process_figures_item_by_item_and_touch_no_generator",)),
+    Mutant("acc-norm-by-bytes", "acc_norm divides by the choice's length in characters, as lm-evaluation-harness (not bytes or tokens)",
+           "objectives/benchmark.py", '"pred_norm": argmax([ll / len(t) for ll, t in zip(lls, texts)])',
+           '"pred_norm": argmax([ll / len(t.encode("utf-8")) for ll, t in zip(lls, texts)])',
+           ("tests/test_eval.py::test_acc_norm_divides_by_characters_acc_bytes_by_utf8_bytes_and_ties_go_to_the_first_choice",)),
+    Mutant("stream-without-done", "a streamed reply ends with data: [DONE], as OpenAI's",
+           "cli/serve.py", '            yield "data: [DONE]\\n\\n"\n', "            pass\n",
+           ("tests/test_serve.py::test_a_streamed_reply_is_the_non_streamed_one_in_openai_chunks_ending_with_done_and_greedy_is_chats",)),
+    Mutant("half-character-streamed", "no streamed piece ends in half a UTF-8 character",
+           "cli/serve.py", '        sure = len(text.rstrip("\\ufffd"))\n', "        sure = len(text)\n",
+           ("tests/test_serve.py::test_a_stop_string_ends_the_reply_before_it_and_no_piece_of_it_or_of_a_broken_character_is_sent",)),
+    Mutant("left-client-keeps-its-slot", "a client that goes away frees its slot at its next turn",
+           "cli/serve.py", "                    if job.cancelled:\n", "                    if False:\n",
+           ("tests/test_serve.py::test_past_the_queue_limit_a_request_gets_429_and_a_cancelled_one_frees_its_slot_at_its_next_turn",)),
+    Mutant("context-unchecked", "max_tokens past the model's context is a 400 naming max_tokens, and the server goes on",
+           "cli/serve.py", "    if req.max_tokens is not None and len(ids) + req.max_tokens > seq_len:\n", "    if False:\n",
+           ("tests/test_serve.py::test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_server_keeps_serving[body10-max_tokens]",)),
 )
 
 
@@ -389,7 +416,7 @@ def copy_repository(dest: Path) -> None:
 
 
 def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})

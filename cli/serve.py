@@ -1,0 +1,475 @@
+"""`python -m checkpoint serve RUN`: an OpenAI-compatible HTTP server over a checkpoint (docs/serving.md).
+
+    POST /v1/chat/completions   messages, temperature, top_p, max_tokens (max_completion_tokens), stop, seed,
+                                stream (server-sent events, `data: [DONE]` last), stream_options.include_usage;
+                                top_k and repetition_penalty as extensions; a field left out is `chat`'s default
+    GET  /v1/models             the one model served
+    GET  /health                {"status": "ok", "active": n, "waiting": m} (no key needed)
+
+A reply is what `python -m checkpoint chat` gives for the same messages and settings: the conversation
+rendered with the run's own chat template, ids generated with the KV cache under inference mode
+(model.generate.Generation), decoded with the run's tokenizer. One worker thread owns the model:
+requests are queued, and up to `--slots` of them are generated in turn, one id each per turn (so none
+waits for another to finish, and each reply is the one it would be alone: its own cache and
+generator); past `--queue` waiting requests a request gets 429. A client that goes away frees its
+slot at the next turn. Bad input is HTTP 400 with OpenAI's error body, and the server goes on.
+FastAPI and uvicorn (requirements-serve.txt), as MiniMind's own scripts/serve_openai_api.py.
+"""
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+log = logging.getLogger("minimind")
+
+REQUIREMENTS = "requirements-serve.txt"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+NEUTRAL = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0}
+"""OpenAI's fields this server does not implement, accepted at the value that asks for nothing."""
+
+
+class ApiError(Exception):
+    """A request answered with an HTTP error and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """A chat-completions request, checked (parse_request)."""
+
+    messages: list[dict]
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    max_tokens: int | None
+    stop: list[str]
+    seed: int
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, default, low: float, high: float = math.inf, low_open: bool = False, integer: bool = False):
+    """body[key] (default when absent or null), a number (an integer) in its range; ApiError (400) naming it."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or (not integer and math.isnan(value)):
+        raise ApiError(400, f"{key} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}", key)
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"> {low:g}" if low_open else f">= {low:g}"
+        raise ApiError(400, f"{key} must be {bounds}{f' and <= {high:g}' if high != math.inf else ''}, got {value}", key)
+    return value
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_request(raw: bytes) -> ChatRequest:
+    """A request body checked against what the server implements; ApiError (400) naming the field."""
+    from model.generate import DEFAULTS
+
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}", f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        turns.append({"role": role, "content": _content(m, i)})
+    if not isinstance(body.get("model", ""), str):
+        raise ApiError(400, "model must be a string", "model")
+    for key, neutral in NEUTRAL.items():
+        if body.get(key) not in (None, neutral):
+            raise ApiError(400, f"{key}={json.dumps(body[key])[:40]} is not supported by this server (only {json.dumps(neutral)})", key)
+    if "max_tokens" in body and body["max_tokens"] is not None:
+        max_key = "max_tokens"
+    else:
+        max_key = "max_completion_tokens"
+    max_tokens = _number(body, max_key, None, 1, integer=True)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a string or a list of at most 4 non-empty strings", "stop")
+    seed = _number(body, "seed", None, -(2 ** 63), 2 ** 64 - 1, integer=True)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "stream_options must be an object {include_usage: true|false}", "stream_options")
+    return ChatRequest(
+        messages=turns,
+        temperature=float(_number(body, "temperature", DEFAULTS.temperature, 0, 2)),
+        top_p=float(_number(body, "top_p", DEFAULTS.top_p, 0, 1, low_open=True)),
+        top_k=_number(body, "top_k", DEFAULTS.top_k, 0, integer=True),
+        repetition_penalty=float(_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, 0, low_open=True)),
+        max_tokens=max_tokens, stop=stop, seed=seed if seed is not None else secrets.randbits(63),
+        stream=stream, include_usage=options.get("include_usage", False))
+
+
+def prompt_ids(tok, template, req: ChatRequest, seq_len: int) -> list[int]:
+    """The conversation's ids with the generation prompt, as `chat` renders it; ApiError (400) when it
+    or the tokens asked for do not fit the model's context."""
+    from data.chat import TemplateError
+
+    try:
+        ids = tok.encode_rendered(template.render(req.messages, add_generation_prompt=True))
+    except TemplateError as e:
+        raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+    if len(ids) >= seq_len:
+        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens, and the messages are {len(ids)}: shorten "
+                            f"them to at most {seq_len - 1}", "messages", code="context_length_exceeded")
+    if req.max_tokens is not None and len(ids) + req.max_tokens > seq_len:
+        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens. However, you requested "
+                            f"{len(ids) + req.max_tokens} tokens ({len(ids)} in the messages, {req.max_tokens} in the completion): "
+                            f"ask for at most {seq_len - len(ids)}", "max_tokens", code="context_length_exceeded")
+    return ids
+
+
+class TextStream:
+    """A reply's text as its ids come: each new piece once it is sure (not the start of a stop string,
+    not an unfinished UTF-8 character), the text cut before the first stop string, which ends it."""
+
+    def __init__(self, tok, stop: list[str]) -> None:
+        self.tok, self.stop, self.ids, self.sent = tok, stop, [], ""
+
+    def add(self, nxt: int) -> tuple[str, bool]:
+        """(the new sure text, whether a stop string came)."""
+        self.ids.append(nxt)
+        text = self.tok.decode(self.ids)
+        cut = min((p for p in (text.find(s) for s in self.stop) if p >= 0), default=-1)
+        if cut >= 0:
+            return self._send(text[:cut]), True
+        sure = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # the longest end of the text that a stop string starts with is held back
+            for n in range(min(len(s) - 1, sure), 0, -1):
+                if text[sure - n: sure] == s[:n]:
+                    sure -= n
+                    break
+        return self._send(text[:sure]), False
+
+    def finish(self) -> str:
+        """What is left to send at the end (no stop string came)."""
+        return self._send(self.tok.decode(self.ids))
+
+    def _send(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""  # an earlier piece decodes otherwise now: wait (the end sends what follows it)
+        new, self.sent = text[len(self.sent):], text
+        return new
+
+
+@dataclass
+class Job:
+    """One request in the engine: its prompt and settings, where its events go, whether its client left."""
+
+    req: ChatRequest
+    prompt: list[int]
+    emit: object  # emit(event): called from the worker thread
+    cancelled: bool = False
+    gen: object = None
+    text: object = None
+    pending: str = ""
+    sent_at: float | None = None
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    def send(self, piece: str, now: float, every: float) -> None:
+        """Hand `piece` on with what is pending: the first at once, then at most one piece per `every`
+        seconds (each hand-off wakes the server's event loop, whose work the generation thread waits for)."""
+        self.pending += piece
+        if self.pending and (self.sent_at is None or now - self.sent_at >= every):
+            self.emit(("delta", self.pending))
+            self.pending, self.sent_at = "", now
+
+    def flush(self) -> None:
+        if self.pending:
+            self.emit(("delta", self.pending))
+            self.pending = ""
+
+
+STREAM_EVERY_S = 0.02
+"""A reply's text is handed to its stream at most this often (its first piece at once): fewer, longer
+chunks than one per token cost the generation thread less (docs/serving.md, "Several clients")."""
+
+
+class Engine:
+    """The model's one worker thread: jobs wait in a queue (at most `queue`), `slots` of them are
+    generated in turn, one id each per turn; a cancelled job is dropped at its next turn."""
+
+    def __init__(self, model, tok, slots: int, queue: int, every: float = STREAM_EVERY_S) -> None:
+        self.model, self.tok, self.slots, self.queue, self.every = model, tok, slots, queue, every
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.served = self.cancelled = 0
+        self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            free = max(0, self.slots - len(self.active))  # slots the worker is about to fill from the queue
+            if len(self.waiting) >= self.queue + free:
+                raise ApiError(429, f"the server is busy: {len(self.active)} replies being generated and {len(self.waiting)} "
+                                    f"waiting (--queue {self.queue}); retry later", type="rate_limit_exceeded",
+                               code="rate_limit_exceeded")
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def counts(self) -> dict:
+        with self.cond:
+            return {"active": len(self.active), "waiting": len(self.waiting), "slots": self.slots, "queue": self.queue,
+                    "served": self.served, "cancelled": self.cancelled}
+
+    def _run(self) -> None:
+        from model.generate import Generation
+
+        while True:
+            with self.cond:
+                while not self.closed and not self.waiting and not self.active:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                while self.waiting and len(self.active) < self.slots:
+                    self.active.append(self.waiting.popleft())
+                turn = list(self.active)
+            for job in turn:
+                r = job.req
+                try:
+                    if job.cancelled:
+                        self._end(job, None)
+                        continue
+                    if job.gen is None:  # the prefill happens in its first step, below
+                        job.gen = Generation(self.model, job.prompt, r.max_tokens, r.temperature, r.top_k, r.top_p,
+                                             r.repetition_penalty, self.tok.eos, True, r.seed)
+                        job.text = TextStream(self.tok, r.stop)
+                    nxt = job.gen.step()
+                    if nxt is not None:
+                        piece, stopped = job.text.add(nxt)
+                        job.send(piece, time.perf_counter(), self.every)
+                        if stopped:
+                            self._end(job, "stop")
+                            continue
+                    if job.gen.done:
+                        job.send(job.text.finish(), time.perf_counter(), self.every)
+                        self._end(job, job.gen.finish)
+                except Exception as e:  # noqa: BLE001 - one request's failure ends it, not the server
+                    log.exception("serve: a request failed")
+                    job.emit(("error", f"{type(e).__name__}: {e}"))
+                    self._end(job, None)
+
+    def _end(self, job: Job, finish: str | None) -> None:
+        with self.cond:
+            self.active.remove(job)
+            self.served += finish is not None
+            self.cancelled += job.cancelled
+        if finish is not None:
+            job.flush()
+            done = len(job.gen.ids) - len(job.prompt)
+            job.emit(("end", finish, {"prompt_tokens": len(job.prompt), "completion_tokens": done,
+                                      "total_tokens": len(job.prompt) + done}))
+
+
+def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, queue: int = 16):
+    """The FastAPI application over a loaded model and its tokenizer (`name`: the model id it reports)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    from data.chat import template_of
+
+    template, seq_len = template_of(tok), model.cfg.seq_len
+    engine = Engine(model, tok, slots, queue)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        yield
+        engine.close()
+
+    app = FastAPI(title="minimind-resume", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request, e: Exception):
+        log.exception("serve: an error answering a request")
+        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", type="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(ApiError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY' "
+                                                  "with the key given to serve --api-key", code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **engine.counts()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "minimind-resume"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(await request.body())
+        prompt = prompt_ids(tok, template, req, seq_len)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job = Job(req, prompt, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        engine.submit(job)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+        if req.stream:
+            return StreamingResponse(stream(job, events, head), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        content = []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event[0] == "delta":
+                    content.append(event[1])
+                elif event[0] == "error":
+                    raise ApiError(500, event[1], type="server_error")
+                else:
+                    return {**head, "object": "chat.completion", "usage": event[2], "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "".join(content)}, "finish_reason": event[1],
+                         "logprobs": None}]}
+        finally:
+            job.cancelled = True  # a reply that ended is out of the engine already; one whose client left is dropped
+
+    async def stream(job: Job, events: asyncio.Queue, head: dict):
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            body = {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            pending = None
+            while True:
+                event, pending = pending or await events.get(), None
+                if event[0] == "delta":  # the pieces that came while the last chunk was written go out as one
+                    text = event[1]
+                    while pending is None and not events.empty():
+                        nxt = events.get_nowait()
+                        text, pending = (text + nxt[1], None) if nxt[0] == "delta" else (text, nxt)
+                    yield chunk({"content": text})
+                elif event[0] == "error":
+                    yield f"data: {json.dumps(ApiError(500, event[1], type='server_error').body())}\n\n"
+                    break
+                else:
+                    yield chunk({}, event[1])
+                    if job.req.include_usage:
+                        yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': event[2]})}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled = True  # a client that went away mid-stream: its slot is freed at its next turn
+
+    return app
+
+
+def model_name(path) -> str:
+    """The id a run is served under: its run folder's name (a step folder's run's)."""
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    return p.parents[1].name if p.name.startswith("step_") and p.parent.name == "checkpoints" else p.name
+
+
+def serve(args) -> int:
+    """`serve RUN [--host --port --api-key --slots --queue]`: load the run's model, then serve until SIGINT/SIGTERM."""
+    import socket
+    import sys
+
+    from . import CommandError
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise CommandError(f"serve needs FastAPI and uvicorn ({e.name} is missing): {sys.executable} -m pip install -r "
+                           f"{REQUIREMENTS}") from None
+    if args.slots < 1 or args.queue < 0:
+        raise CommandError(f"--slots must be >= 1 and --queue >= 0, got {args.slots} and {args.queue}")
+    from weights import load_model, load_tokenizer
+
+    model, tok = load_model(args.path), load_tokenizer(args.path)
+    from data.chat import template_of
+
+    template_of(tok)  # a tokenizer without a chat template: said now, not at the first request
+    name = args.model_name or model_name(args.path)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    port = sock.getsockname()[1]
+    where = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    print(f"serve: {name} ({model.num_parameters():,} parameters, context {model.cfg.seq_len}) at http://{where}:{port}/v1 "
+          f"({args.slots} slots, queue {args.queue}{', API key required' if args.api_key else ''}); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    app = make_app(model, tok, name, args.api_key, args.slots, args.queue)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    return 0

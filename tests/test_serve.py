@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server (cli/serve.py, docs/serving.md): the official `openai` client gets `chat`'s
+reply, streamed or not; bad input is 400 with OpenAI's error body and the server goes on; replies
+generated in turn are each the reply alone; a full queue is 429; a client that leaves frees its slot."""
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import launch
+
+DOCS = launch.ROOT / "docs" / "serving.md"
+ASK = [{"role": "user", "content": "What does os.path.join do?"}]
+
+
+def tiny_model(seq_len: int = 96):
+    from model import MiniMindLM, ModelConfig
+
+    torch.manual_seed(0)
+    return MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=seq_len, vocab_size=259)).eval()
+
+
+@pytest.fixture
+def client():
+    """A server over a random tiny model with the byte tokenizer, in this process (FastAPI's TestClient)."""
+    from fastapi.testclient import TestClient
+
+    from cli.serve import make_app
+    from data.tokenizer import ByteTokenizer
+
+    with TestClient(make_app(tiny_model(), ByteTokenizer(), "tiny", slots=2, queue=2)) as c:
+        yield c
+
+
+def events(lines) -> list[dict]:
+    """The JSON chunks of a server-sent event stream; asserts it ends with `data: [DONE]` and nothing after."""
+    lines = [line for line in lines if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def streamed_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+# ---------------------------------------------------------------------------------------------- in this process
+
+@pytest.mark.unit
+def test_a_streamed_reply_is_the_non_streamed_one_in_openai_chunks_ending_with_done_and_greedy_is_chats(client):
+    from cli import chat_reply
+    from data.tokenizer import ByteTokenizer
+
+    body = {"model": "tiny", "messages": ASK, "temperature": 0, "max_tokens": 40}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    choice = whole["choices"][0]
+    assert whole["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    text, ids = chat_reply(tiny_model(), ByteTokenizer(), ASK, 40, 0.0)
+    assert choice["message"]["content"] == text and whole["usage"]["completion_tokens"] == len(ids)
+    assert choice["finish_reason"] == ("length" if len(ids) == 40 else "stop")
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = events(r.iter_lines())
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert streamed_text(chunks) == text and chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.unit
+def test_a_seed_gives_the_same_sampled_reply_twice_and_another_seed_another(client):
+    body = {"messages": ASK, "temperature": 1.0, "top_p": 0.95, "max_tokens": 30}
+    replies = [client.post("/v1/chat/completions", json={**body, "seed": s}).json()["choices"][0]["message"]["content"]
+               for s in (7, 7, 8)]
+    assert replies[0] == replies[1] != replies[2]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [', None),
+    (b'["not", "an", "object"]', None),
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": ASK, "temperature": "hot"}, "temperature"),
+    ({"messages": ASK, "temperature": 3}, "temperature"),
+    ({"messages": ASK, "top_p": 0}, "top_p"),
+    ({"messages": ASK, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": ASK, "max_tokens": 10_000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
+    ({"messages": ASK, "stop": ["a", ""]}, "stop"),
+    ({"messages": ASK, "seed": "seven"}, "seed"),
+    ({"messages": ASK, "stream": "yes"}, "stream"),
+    ({"messages": ASK, "n": 2}, "n"),
+])
+def test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_server_keeps_serving(client, body, param):
+    r = client.post("/v1/chat/completions", **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param"} and error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.unit
+def test_with_an_api_key_a_request_without_it_gets_401_and_with_it_is_served():
+    from fastapi.testclient import TestClient
+
+    from cli.serve import make_app
+    from data.tokenizer import ByteTokenizer
+
+    with TestClient(make_app(tiny_model(), ByteTokenizer(), "tiny", api_key="sesame")) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+@pytest.mark.unit
+def test_a_stop_string_ends_the_reply_before_it_and_no_piece_of_it_or_of_a_broken_character_is_sent():
+    from cli.serve import TextStream
+    from data.tokenizer import ByteTokenizer
+
+    stream = TextStream(ByteTokenizer(), ["STOP", "xyz"])
+    pieces = []
+    for b in "héllo wor STO".encode() + b"P and more":
+        piece, stopped = stream.add(b)
+        pieces.append(piece)
+        if stopped:
+            break
+    assert stopped and "".join(pieces) == "héllo wor " and all("\ufffd" not in p for p in pieces)
+    assert "S" not in "".join(pieces[:-1])  # "STO" was held back until it became the stop string
+    stream = TextStream(ByteTokenizer(), ["xyz"])
+    text = "".join(stream.add(b)[0] for b in "naïve xy".encode()) + stream.finish()
+    assert text == "naïve xy"
+
+
+def job(req_overrides: dict, prompt: list[int], seen: list):
+    from cli.serve import ChatRequest, Job
+
+    req = ChatRequest(messages=[], temperature=0.9, top_p=0.9, top_k=0, repetition_penalty=1.1, max_tokens=20, stop=[], seed=1,
+                      stream=True, include_usage=False)
+    for k, v in req_overrides.items():
+        setattr(req, k, v)
+    return Job(req, prompt, seen.append)
+
+
+@pytest.mark.unit
+def test_replies_generated_in_turn_are_each_the_reply_generated_alone():
+    from cli.serve import Engine
+    from data.tokenizer import ByteTokenizer
+    from model.generate import generate_ids
+
+    model, tok = tiny_model(), ByteTokenizer()
+    prompts = [[tok.bos, *b"first"], [tok.bos, *b"a second prompt"], [tok.bos, *b"3"]]
+    seen = [[] for _ in prompts]
+    jobs = [job({"seed": 10 + i, "max_tokens": 15 + 5 * i}, p, seen[i]) for i, p in enumerate(prompts)]
+    engine = Engine(model, tok, slots=2, queue=4)
+    for j in jobs:
+        engine.submit(j)
+    engine.start()
+    try:
+        while any(not s or s[-1][0] != "end" for s in seen):
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    for i, (p, s) in enumerate(zip(prompts, seen)):
+        alone = generate_ids(model, p, 15 + 5 * i, 0.9, 0, 0.9, 1.1, tok.eos, True, 10 + i)
+        assert "".join(e[1] for e in s if e[0] == "delta") == tok.decode(alone[len(p):])
+        assert s[-1][2]["completion_tokens"] == len(alone) - len(p)
+    assert engine.counts()["served"] == 3
+
+
+@pytest.mark.unit
+def test_past_the_queue_limit_a_request_gets_429_and_a_cancelled_one_frees_its_slot_at_its_next_turn():
+    from cli.serve import ApiError, Engine
+    from data.tokenizer import ByteTokenizer
+
+    model, tok = tiny_model(), ByteTokenizer()
+    engine = Engine(model, tok, slots=1, queue=1)  # not started: nothing leaves the queue
+    first, second, third = ([] for _ in range(3))
+    engine.submit(job({"max_tokens": 60}, [tok.bos, *b"one"], first))
+    engine.submit(job({"max_tokens": 5}, [tok.bos, *b"two"], second))  # one free slot and one place in the queue
+    with pytest.raises(ApiError) as busy:
+        engine.submit(job({}, [tok.bos], third))
+    assert busy.value.status == 429 and busy.value.body()["error"]["code"] == "rate_limit_exceeded"
+    leaving = engine.waiting[0]
+    leaving.emit = lambda event: (first.append(event), setattr(leaving, "cancelled", True))  # gone after its first piece
+    engine.start()
+    try:
+        while not second or second[-1][0] != "end":
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert engine.counts() | {"active": 0} == {"active": 0, "waiting": 0, "slots": 1, "queue": 1, "served": 1, "cancelled": 1}
+    assert len(first) == 1 and first[0][0] == "delta"
+
+
+# ---------------------------------------------------------------------------------------------- as users run it
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny):
+    """A tiny chat run on the built-in conversations (byte tokenizer), with a context long enough for a long stream."""
+    out = tmp_path_factory.mktemp("serve") / "sft_tiny"
+    code, err = launch.in_process(*tiny, "data.path=stdlib-chat", "data.format=chat", "model.seq_len=1024", "train.steps=6",
+                                  "train.micro_batch=4", f"out_dir={out}")
+    assert code == 0, err
+    return out
+
+
+ENV = {**launch.os.environ, "OMP_NUM_THREADS": "1"}
+
+
+class Server:
+    """`python -m checkpoint serve ...` in a child process, on a free port."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(args, cwd=launch.ROOT, stderr=subprocess.PIPE, text=True, env=ENV)
+        launch.STARTED.append(self.proc)
+        said = ""
+        while not (found := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", said)):
+            line = self.proc.stderr.readline()
+            assert line, f"serve ended (exit {self.proc.wait()}) before it listened:\n{said[-3000:]}"
+            said += line
+        self.port = int(found.group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain
+        launch.wait_for(lambda: self.health() is not None, timeout=60, proc=self.proc)
+
+    def health(self):
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).json()
+        except httpx.HTTPError:
+            return None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def chat_cli(run, prompt: str, tokens: int) -> str:
+    proc = subprocess.run([launch.PY, "-m", "checkpoint", "chat", str(run), "--prompt", prompt, "--temperature", "0",
+                           "--tokens", str(tokens)], cwd=launch.ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.endswith("\n")
+    return proc.stdout[:-1]
+
+
+@pytest.mark.e2e
+def test_the_docs_commands_and_the_openai_client_get_chats_greedy_reply_streamed_or_not_and_a_seeded_reply_twice(run):
+    from openai import OpenAI
+
+    block = re.search(r"```bash\n(.*?)```", DOCS.read_text(), re.S).group(1)
+    serve_line, *curls = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    server = Server([*serve_line.replace(".venv/bin/python", launch.PY).replace("runs/sft_tiny", str(run)).split(), "--port", "0"])
+    try:
+        greedy = chat_cli(run, ASK[0]["content"], 48)
+        outputs = []
+        for line in curls:
+            proc = subprocess.run(["bash", "-c", line.replace("8000", str(server.port))], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, line + proc.stderr
+            outputs.append(proc.stdout)
+        assert json.loads(outputs[0])["data"][0]["id"] == "sft_tiny"
+        assert json.loads(outputs[1])["choices"][0]["message"]["content"] == greedy
+        hi = events(outputs[2].splitlines())
+        python = re.search(r"```python\n(.*?)```", DOCS.read_text(), re.S).group(1).replace("8000", str(server.port))
+        proc = subprocess.run([launch.PY, "-c", python], capture_output=True, text=True, timeout=120, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == greedy + "\n" + streamed_text(hi)  # the same seed, the same streamed reply
+
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["sft_tiny"]
+        reply = client.chat.completions.create(model="sft_tiny", messages=ASK, temperature=0, max_tokens=48)
+        assert reply.choices[0].message.content == greedy and reply.usage.completion_tokens <= 48
+        stream = client.chat.completions.create(model="sft_tiny", messages=ASK, temperature=0, max_tokens=48, stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        sampled = [client.chat.completions.create(model="sft_tiny", messages=ASK, temperature=0.9, max_tokens=32, seed=11)
+                   .choices[0].message.content for _ in range(2)]
+        assert sampled[0] == sampled[1]
+    finally:
+        server.stop()
+
+
+@pytest.mark.e2e
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_past_the_queue_a_request_gets_429(run):
+    import httpx
+
+    server = Server([launch.PY, "-m", "checkpoint", "serve", str(run), "--port", "0", "--slots", "1", "--queue", "1"])
+    long = {"messages": ASK, "temperature": 0.9, "seed": 1, "max_tokens": 900, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            with http.stream("POST", "/v1/chat/completions", json=long) as first:
+                assert first.status_code == 200
+                next(first.iter_lines())  # the first chunk arrived; then this client goes away
+            launch.wait_for(lambda: server.health()["active"] == 0, timeout=60)
+            assert server.health() | {"active": 0} == {"status": "ok", "active": 0, "waiting": 0, "slots": 1, "queue": 1, "served": 0,
+                                                         "cancelled": 1}
+            # a slot held by a long stream that is not read, one request waiting: the next gets 429
+            with http.stream("POST", "/v1/chat/completions", json=long) as holder:
+                waiting = []
+                thread = threading.Thread(target=lambda: waiting.append(http.post("/v1/chat/completions", json={
+                    "messages": ASK, "max_tokens": 8})))
+                thread.start()
+                launch.wait_for(lambda: server.health()["waiting"] == 1, timeout=60)
+                busy = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8})
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "rate_limit_exceeded"
+                assert holder.status_code == 200
+            thread.join(timeout=120)
+            assert waiting and waiting[0].status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.unit
+def test_a_lora_run_and_a_minimind3_shaped_moe_run_are_served_with_chats_reply_and_scored_by_eval(tiny, tmp_path):
+    """Any model family here: a LoRA run (its adapters over its pinned base) and a MiniMind-3 shape (q/k
+    norm, an MoE), each loaded as `chat` loads it."""
+    from fastapi.testclient import TestClient
+
+    from cli import chat_reply
+    from cli.serve import make_app
+    from objectives.benchmark import evaluate_tasks, read_tasks
+    from weights import load_model, load_tokenizer
+
+    chat = ["data.path=stdlib-chat", "data.format=chat", "model.seq_len=96", "train.steps=2"]
+    for name, extra in (("base", []), ("lora", ["train.lora.rank=4", f"model.init_from={tmp_path / 'base'}"]),
+                        ("moe", ["model.qk_norm=true", "model.moe.experts=4", "model.moe.top_k=2"])):
+        code, err = launch.in_process(*tiny, *chat, *extra, f"out_dir={tmp_path / name}")
+        assert code == 0, err
+    for name in ("lora", "moe"):
+        model, tok = load_model(tmp_path / name), load_tokenizer(tmp_path / name)
+        with TestClient(make_app(model, tok, name)) as c:
+            got = c.post("/v1/chat/completions", json={"messages": ASK, "temperature": 0, "max_tokens": 16}).json()
+        assert got["choices"][0]["message"]["content"] == chat_reply(model, tok, ASK, 16, 0.0)[0]
+        scores = evaluate_tasks(load_model(tmp_path / name, fp32=True), tok, [read_tasks("arith")[0]])
+        assert scores["overall"]["items"] == 100 and 0 <= scores["overall"]["acc"] <= 1
