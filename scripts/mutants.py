@@ -41,6 +41,9 @@ EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_a
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
+    Mutant("fsdp-load-in-dict-order", "every rank hands FSDP's full-state load its tensors in the model's order (I19)",
+           "runtime/sharding.py", "    set_model_state_dict(model, ordered, options=", "    set_model_state_dict(model, full_state, options=",
+           ("tests/test_sharding.py::test_load_full_hands_the_tensors_over_in_the_models_order_whatever_the_dicts_order",)),
     Mutant("rng-not-restored", "every rank's global RNG state is restored on resume (I6)",
            "checkpoint/manager.py", "            rng.restore_blob(target[\"rng\"][str(self.comm.rank)], self.comm.device)\n", "            pass\n",
            ("tests/test_checkpoint_manager.py::test_load_restores_the_global_generators_each_rank_had_at_the_save",)),

@@ -46,6 +46,21 @@ NOT_RUN = {
     ".venv/bin/python scripts/resume_lab.py": "tests/test_resume_lab.py runs the lab",
     "git clone https://github.com/jingyaogong/minimind": "the network: the copy's minimind/model/ is made from ../shared/minimind",
     ".venv/bin/tensorboard --logdir runs/watched/tensorboard": "a server; tests/test_watching.py reads the event files it shows",
+    ".venv/bin/python -m checkpoint serve runs/sft_tiny": "a server: tests/test_serve.py::test_the_docs_commands_and_the_openai_client_"
+                                                          "get_chats_greedy_reply_streamed_or_not_and_a_seeded_reply_twice runs "
+                                                          "it with the curl commands below",
+    **{command: "against the server above: tests/test_serve.py runs the docs' curl commands" for command in (
+        "curl -s http://127.0.0.1:8000/v1/models",
+        'curl -s http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d \'{"model": "sft_tiny", "messages": '
+        '[{"role": "user", "content": "What does os.path.join do?"}], "temperature": 0, "max_tokens": 48}\'',
+        'curl -sN http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d \'{"model": "sft_tiny", "messages": '
+        '[{"role": "user", "content": "Hi"}], "max_tokens": 24, "seed": 7, "stream": true}\'')},
+    **{command: "the reader's task files: tests/test_eval.py::test_the_docs_commands_run_and_lm_eval_on_the_hf_export_gives_the_"
+                "same_scores_and_picks_item_by_item writes them and runs these" for command in (
+        ".venv/bin/python -m checkpoint eval runs/sft_tiny --tasks my_task.jsonl text:my_task.jsonl --perplexity held_out.jsonl "
+        "--out results.json",
+        ".venv/bin/lm_eval --model hf --model_args pretrained=runs/sft_tiny_hf,dtype=float32 --include_path tasks --tasks "
+        "my_task,my_task_text,held_out --device cpu --batch_size 1 --log_samples --output_path lm_eval_out")},
 }
 
 EXIT = {".venv/bin/python -m checkpoint compare runs/demo runs/demo_1": 0}

@@ -201,3 +201,20 @@ def test_the_private_torch_names_this_repository_leans_on_are_still_there():
     for hook in ("set_custom_reduce_scatter", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
                  "set_requires_gradient_sync"):
         assert hasattr(FSDPModule, hook), hook
+
+
+@pytest.mark.unit
+def test_load_full_hands_the_tensors_over_in_the_models_order_whatever_the_dicts_order(monkeypatch):
+    """FSDP's full-state load scatters one collective per key in the given dict's order: two ranks
+    whose dicts list the keys otherwise (read from a file, built through a set: string hashing differs
+    per process) would pair different tensors and abort. load_full hands them over in the model's order."""
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    from runtime import sharding
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    seen = []
+    monkeypatch.setattr(dcp_state_dict, "set_model_state_dict", lambda m, state, options: seen.append(list(state)))
+    given = dict(reversed(list(model.state_dict().items())))
+    sharding.load_full(model, given, strict=False)
+    assert seen == [list(model.state_dict())]
