@@ -118,13 +118,6 @@ def compare_runs(a: Path, b: Path) -> dict:
     }
 
 
-def status(args: argparse.Namespace) -> int:
-    """`status RUN [--exit-code]`: where the run is, and the exit code a scheduler should see (cli/status.py)."""
-    from .status import status as report_status
-
-    return report_status(args)
-
-
 def plot(runs: list[Path], out: Path) -> int:
     """Loss (solid), validation loss (dots) and LR (below) against the optimizer step, one colour per run."""
     try:
@@ -326,6 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--fallback", type=int, default=1,
                     help="with --exit-code: the launcher's own exit code, used when the status is not this launch's (default 1)")
     st.add_argument("--wait-s", type=float, default=300.0, help="with --exit-code: how long to wait for the folder's holder")
+    st.add_argument("--sample", action="store_true",
+                    help="with --exit-code: a run that ended with 0 first prints its model's greedy reply to log.sample_prompt")
     st.add_argument("--stopped", type=int, choices=(0, 1), default=0,
                     help="with --exit-code: 1 when the launcher passed a stop signal on; an outcome this launch never recorded is then 75")
     cv = sub.add_parser("convert", help="convert checkpoints of the earlier layout (resume.pth) into this one, in place")
@@ -344,8 +339,10 @@ def _run(argv: list[str] | None) -> int:
         log.setLevel(logging.INFO)
         log.propagate = False
     # A damaged checkpoint is a failure (exit 1), a path that holds none bad input (2): their classes say (common/outcome.py).
-    if args.verb == "status":
-        return status(args)
+    if args.verb == "status":  # cli/status.py, imported by name (the submodule would shadow a function of this name)
+        from .status import status as report_status
+
+        return report_status(args)
     if args.verb == "plot":
         return plot(args.runs, args.out)
     if args.verb == "chat":

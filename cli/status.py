@@ -186,5 +186,41 @@ def status(args: argparse.Namespace) -> int:
     if record["state"] == "running":  # the holder is gone without a word: killed
         print(f"status: the run in {args.run} died without recording an outcome (killed?)", file=sys.stderr)
         return fallback
+    code = exit_code(record.get("outcome") or record["state"])
+    if args.sample and code == 0 and record.get("step"):
+        print(sample_line(args.run), file=sys.stderr)
     print(outcome_line(args.run, record), file=sys.stderr)
-    return exit_code(record.get("outcome") or record["state"])
+    return code
+
+
+AUTO_PROMPTS = {"text": "The ", "chat": "What does os.path.join do?"}
+"""log.sample_prompt=auto: a continuation for a pretraining run, a question for every other (they chat)."""
+
+
+def sample_line(run: Path) -> str:
+    """What the run's model now says (log.sample_prompt: one greedy reply, the default repetition
+    penalty), in one line; a failure to say it is said instead and changes no exit code."""
+    try:
+        import yaml
+
+        from data.chat import template_of
+        from model.generate import DEFAULTS, generate_ids
+        from weights import load_model, load_tokenizer
+
+        config = yaml.safe_load((run / folder.CONFIG).read_text())
+        prompt = (config.get("log") or {}).get("sample_prompt", "auto")
+        text = (config.get("data") or {}).get("format", "text") == "text"
+        if prompt == "auto":
+            prompt = AUTO_PROMPTS["text" if text else "chat"]
+        if not prompt:
+            return "[sample] (log.sample_prompt is empty: none)"
+        model, tok = load_model(run), load_tokenizer(run)
+        ids = tok.encode(prompt, bos=True) if text else \
+            tok.encode_rendered(template_of(tok).render([{"role": "user", "content": prompt}], add_generation_prompt=True))
+        room = min(40, model.cfg.seq_len - len(ids))  # what the model's positions leave
+        if room <= 0:
+            return f"[sample] none: the prompt takes {len(ids)} of the model's {model.cfg.seq_len} positions"
+        out = generate_ids(model, ids, room, 0.0, 0, 1.0, DEFAULTS.repetition_penalty, tok.eos, True, 0)
+        return f"[sample] {prompt!r} -> {tok.decode(out[len(ids):])!r} (greedy; log.sample_prompt)"
+    except Exception as e:  # noqa: BLE001 - the run's outcome stands whatever its sample does
+        return f"[sample] none: {type(e).__name__}: {e}"

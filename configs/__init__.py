@@ -171,6 +171,9 @@ class LogConfig:
     """none | tensorboard (OUT/tensorboard/) | wandb (the run id is the checkpoint's run_id; WANDB_MODE=offline works)."""
     project: str = "minimind-resume"
     """The W&B project."""
+    sample_prompt: str = "auto"
+    """The prompt whose greedy reply the launch scripts print when a run ends (auto: a question for a chat, preference or
+    prompts run, "The " for text; "": none), so a recipe's log shows what its model now says."""
 
     def __post_init__(self) -> None:
         _positive("log.every", self.every)

@@ -5,7 +5,8 @@
 #   bash scripts/train.sh train.steps=400 out_dir=runs/longer
 #   bash scripts/train.sh --config configs/minimind2_small.yaml out_dir=runs/small
 #   bash scripts/train.sh --nproc 3 dist.reduce=canonical train.global_batch=48 out_dir=runs/demo
-# The run's outcome is the last line (torchrun's summary of failed workers is one line above it).
+# The run's outcome is the last line (torchrun's summary of failed workers is one line above it;
+# a finished run's greedy sample reply, log.sample_prompt, is the line above it).
 # Exit code, for a scheduler (common/outcome.py's table, the one place it is decided): 0 finished or
 # halted; 75 stopped on a signal (its checkpoint published, or stopped before anything was under way:
 # nothing lost either way; run the same command again to resume); 2 bad input or config; 1 failure.
@@ -52,4 +53,5 @@ while :; do
 done
 # The run's recorded outcome decides, and its one line is printed last; without one, the launcher's
 # code (a signal: stopped; 2: refused before the run kept a folder).
-python -m checkpoint status "$OUT" --exit-code --launch-id "$MINIMIND_LAUNCH_ID" --fallback "$RC" --stopped "$STOP" >/dev/null
+# A run that ended with 0 says what its model now says first (log.sample_prompt; "" for none).
+python -m checkpoint status "$OUT" --exit-code --sample --launch-id "$MINIMIND_LAUNCH_ID" --fallback "$RC" --stopped "$STOP" >/dev/null

@@ -90,10 +90,11 @@ def commands() -> list[tuple[str, str, str]]:
 def inputs(copy: Path) -> None:
     """What the docs assume the reader has: MiniMind's tokenizer beside the repository and in a clone
     of MiniMind inside it, and corpora of their own (pretraining text, chats, gzipped JSONL)."""
-    shared = launch.ROOT.parent / "shared" / "minimind" / "tokenizer.json"
+    shared = launch.ROOT.parent / "shared" / "minimind"
     for where in (copy.parent / "minimind" / "model", copy / "minimind" / "model"):
         where.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shared, where / "tokenizer.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(shared / name, where / name)
     from test_chat import conversations
 
     texts = [{"text": f"Sample {i}: the river runs past the stone, and the bird sings to the moon {i % 7} times."} for i in range(400)]

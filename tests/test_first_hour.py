@@ -266,3 +266,25 @@ def test_a_resume_says_how_many_metrics_lines_it_dropped_and_why(tmp_path, caplo
     with caplog.at_level(logging.INFO, logger="minimind"):
         truncate(path, 4)
     assert "dropped" not in caplog.text  # nothing to drop, nothing said
+
+
+@pytest.mark.unit
+def test_a_run_that_ends_with_0_prints_its_models_greedy_reply_above_the_outcome_line_and_an_empty_prompt_none(tmp_path, tiny):
+    """scripts/train.sh's closing status (--exit-code --sample): what the recipe's model now says."""
+    from cli import generate_text, main
+    from weights import load_model, load_tokenizer
+
+    def closing(run) -> list[str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            assert main(["status", str(run), "--exit-code", "--sample"]) == 0
+        return err.getvalue().strip().splitlines()[-2:]
+
+    run = tmp_path / "run"
+    assert launch.in_process(*tiny, "train.steps=3", f"out_dir={run}")[0] == 0
+    sample, outcome = closing(run)
+    reply = generate_text(load_model(run), "The ", 27, 0.0, 0, load_tokenizer(run))[len("The "):]  # 32 positions: 5 for BOS + "The "
+    assert sample == f"[sample] 'The ' -> {reply!r} (greedy; log.sample_prompt)" and outcome.startswith("[status]")
+    quiet = tmp_path / "quiet"
+    assert launch.in_process(*tiny, "train.steps=3", "log.sample_prompt=", f"out_dir={quiet}")[0] == 0
+    assert closing(quiet)[0] == "[sample] (log.sample_prompt is empty: none)"
