@@ -196,6 +196,8 @@ def test_a_compiled_distillation_on_1_and_on_2_processes_is_bit_identical_with_t
     (["train.distill.teacher={root}/teacher.pth"], "train.distill.teacher: {root}/teacher.pth: does not fit the model"),
     (["train.distill.teacher_model.dim=64"], "train.distill.teacher_model: {root}/teacher carries its own architecture"),
     (["train.distill.top_k=300"], "train.distill.top_k=300: more than the student's 259 ids"),
+    (["train.distill.teacher={root}/teacher.pth", *[f"train.distill.teacher_model.{a.removeprefix('model.')}" for a in TEACHER],
+      "train.distill.teacher_model.vocab_size=200"], "train.distill.teacher: {root}/teacher.pth has 200 ids, fewer than the student's 259"),
     (["train.distill.teacher={root}/cache"], "train.distill.teacher: {root}/cache: no checkpoint"),
 ])
 def test_a_teacher_that_does_not_load_exits_2_naming_the_key_with_nothing_written(made, tmp_path, extra, expected):
@@ -438,3 +440,19 @@ def test_our_loss_on_one_row_is_minimind_s_distillation_loss_and_ce_kl_combinati
     # Measured: the loss bit for bit, ce_loss 5.2e-8 apart (MiniMind divides in fp32 and adds 1e-8; ours sums in
     # fp32, divides in fp64), distill_loss 3.0e-10; 10x allowed.
     assert gaps["loss"] <= 5.2e-7 and gaps["ce_loss"] <= 5.2e-7 and gaps["distill_loss"] <= 3.0e-9, gaps
+
+
+@pytest.mark.unit
+def test_plot_draws_the_distillation_figures_given_as_keys_and_refuses_one_the_run_does_not_log(tmp_path):
+    from run import folder
+    from test_edges import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 3.0 - s / 10, "lr": 1e-3, "ce_loss": 5.0 - s / 10, "distill_loss": 1.0 / s, "top1_agreement": s / 10}
+            for s in range(1, 6)]
+    (run / folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = cli("plot", run, "--out", tmp_path / "c.png", "--keys", "distill_loss", "top1_agreement")
+    assert code == 0 and (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+    code, _, err = cli("plot", run, "--out", tmp_path / "d.png", "--keys", "rewards/margins")
+    assert code == 2 and "--keys rewards/margins: " in err and "logs no numeric 'rewards/margins'" in err and not (tmp_path / "d.png").exists()
