@@ -407,7 +407,7 @@ def copy_repository(dest: Path) -> None:
 
 
 def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
