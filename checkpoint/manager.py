@@ -96,12 +96,16 @@ class RunMeta:
     reward: dict | None = None
     """A GRPO run's reward: {spec, and for a user's function its file and sha256}; carried from checkpoint to checkpoint."""
 
+    teacher: dict | None = None
+    """A distillation's teacher: {sha256: its identity (its own architecture's), identity: its version, source: where
+    they were read, architecture}; carried from checkpoint to checkpoint."""
+
     architecture: dict = field(default_factory=dict)
     """The model's architecture fields (`ModelConfig.architecture()`): part of the identity the
     manifest's `model_sha256` is (storage.model_sha256; docs/design.md "One model identity")."""
 
     RECORDED = ("world_size", "global_batch", "micro_batch", "accum", "threads", "reduce", "strategy", "config",
-                "data_fingerprint", "run_id", "init_from", "base", "reference", "reward", "architecture")
+                "data_fingerprint", "run_id", "init_from", "base", "reference", "reward", "teacher", "architecture")
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in self.RECORDED}
@@ -387,7 +391,7 @@ class CheckpointManager:
         if self.comm.is_main and path.parent == self.root:
             self.owned.add(path)  # verified just now
         self.meta.run_id = manifest.get("run_id", self.meta.run_id)
-        for key in ("init_from", "base", "reference", "reward"):  # what the run began from and pinned, carried on
+        for key in ("init_from", "base", "reference", "reward", "teacher"):  # what the run began from and pinned, carried on
             setattr(self.meta, key, manifest.get(key))
         step = int(manifest["step"])
         log.info("loaded %s: step %d, %.2fs", path, step, time.monotonic() - t0)

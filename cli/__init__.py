@@ -11,8 +11,9 @@
     export PATH --format minimind|hf|peft --out OUT [--base NAME] [--with-base]
                                 MiniMind's state dict (fp16 .pth), a Hugging Face folder with the tokenizer, or
                                 a LoRA run's PEFT adapter (--with-base: the base's Hugging Face export inside)
-    plot RUN [RUN ...] --out FILE.png
-                                loss, validation loss and LR against the step (matplotlib: requirements-extra.txt)
+    plot RUN [RUN ...] --out FILE.png [--keys KEY ...]
+                                loss, validation loss and LR against the step (matplotlib: requirements-extra.txt);
+                                --keys: other logged figures, a panel each (e.g. distill_loss top1_agreement)
     status RUN [--exit-code]    where the run is: its state, step, loss (or reward), tokens/s, last checkpoint, ETA;
                                 with --exit-code, exit with the run's code (the launch scripts use it: torchrun's
                                 own status does not say "resume me") and print its outcome's line last
@@ -118,8 +119,9 @@ def compare_runs(a: Path, b: Path) -> dict:
     }
 
 
-def plot(runs: list[Path], out: Path) -> int:
-    """Loss (solid), validation loss (dots) and LR (below) against the optimizer step, one colour per run."""
+def plot(runs: list[Path], out: Path, keys: list[str] | None = None) -> int:
+    """Loss (solid), validation loss (dots) and LR (below) against the optimizer step, one colour per run;
+    each of `keys` (a figure metrics.jsonl logs, e.g. distill_loss) in a panel of its own between them."""
     try:
         import matplotlib
 
@@ -142,7 +144,12 @@ def plot(runs: list[Path], out: Path) -> int:
             if not isinstance(row, dict) or not all(isinstance(row.get(k), (int, float)) for k in ("step", "loss", "lr")):
                 raise folder.RunFolderError(f"{run / folder.METRICS}:{lineno}: a metrics line needs numeric 'step', 'loss' and 'lr'")
         every[run] = rows
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+        for key in keys or ():
+            if not any(isinstance(r.get(key), (int, float)) for r in rows):
+                raise folder.RunFolderError(f"--keys {key}: {run / folder.METRICS} logs no numeric {key!r}")
+    keys = list(keys or ())
+    fig, (top, *middle, bottom) = plt.subplots(2 + len(keys), 1, figsize=(8, 6 + 2 * len(keys)), sharex=True,
+                                               gridspec_kw={"height_ratios": [3, *[2] * len(keys), 1]})
     for i, (run, rows) in enumerate(every.items()):
         colour, name = f"C{i}", run.name
         top.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=colour, label=f"{name} train")
@@ -150,6 +157,12 @@ def plot(runs: list[Path], out: Path) -> int:
         if val:
             top.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=colour, label=f"{name} validation")
         bottom.plot([r["step"] for r in rows], [r["lr"] for r in rows], color=colour)
+        for panel, key in zip(middle, keys):
+            have = [r for r in rows if isinstance(r.get(key), (int, float))]
+            panel.plot([r["step"] for r in have], [r[key] for r in have], color=colour)
+    for panel, key in zip(middle, keys):
+        panel.set_ylabel(key)
+        panel.grid(alpha=0.3)
     top.set_ylabel("loss (nats/token)")
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
@@ -310,6 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
     pl.add_argument("runs", type=Path, nargs="+")
     pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    pl.add_argument("--keys", nargs="+", metavar="KEY", help="other logged figures to draw, a panel each (e.g. distill_loss "
+                                                             "top1_agreement ce_loss)")
     st = sub.add_parser("status", help="where the run is (JSON): state, step, the loss or the objective's figure, tokens/s, "
                                        "the last checkpoint, an ETA, who holds the folder")
     st.add_argument("run", type=Path)
@@ -344,7 +359,7 @@ def _run(argv: list[str] | None) -> int:
 
         return report_status(args)
     if args.verb == "plot":
-        return plot(args.runs, args.out)
+        return plot(args.runs, args.out, args.keys)
     if args.verb == "chat":
         return chat(args)
     if args.verb == "serve":

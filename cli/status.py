@@ -129,7 +129,7 @@ def summary(r: dict) -> str:
         parts.append(f"last published step {r['published_step']}" + (f" (logged to step {r['logged_step']})" if logged else ""))
     elif r["step"] is not None:
         parts.append(f"step {r['step']}" + (f" of {r['steps']}" if r.get("steps") else ""))
-    parts += [f"{k} {r[k]:.4f}" for k in ("reward", "loss", "accuracy", "val_loss") if isinstance(r.get(k), float)]
+    parts += [f"{k} {r[k]:.4f}" for k in ("reward", "loss", "accuracy", "agreement", "val_loss") if isinstance(r.get(k), float)]
     if r["tokens_per_s"] is not None:
         parts.append(f"{r['tokens_per_s']:,.0f} tokens/s")
     if r["published_step"] is not None:

@@ -24,6 +24,7 @@ from data.prepare import VERIFY
 from data.sampler import ORDERS
 from model.config import ModelConfig
 from model.lora import LoRAConfig, target_names
+from objectives.distill import DistillConfig
 from objectives.dpo import DPOConfig
 from objectives.grpo import GRPOConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
@@ -73,8 +74,10 @@ class TrainConfig:
     """Low-rank adapters over a frozen base (docs/lora.md)."""
     objective: str = "next_token"
     """next_token (pretraining, SFT) | dpo (preference pairs, data.format=preference: docs/dpo.md) | grpo (GRPO or
-    CISPO over prompts, data.format=prompts: docs/rl.md)."""
+    CISPO over prompts, data.format=prompts: docs/rl.md) | distill (a teacher's distribution into the model, on text or
+    chat data: docs/distill.md)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
@@ -85,7 +88,10 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
         choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        choice("train.objective", self.objective, ("next_token", "dpo", "grpo"))
+        choice("train.objective", self.objective, ("next_token", "dpo", "grpo", "distill"))
+        if self.objective == "distill" and not self.distill.teacher:
+            raise ConfigError("train.distill.teacher: train.objective=distill needs a teacher (one of our run folders, a Hugging "
+                              "Face folder or a weights file such as a MiniMind .pth)")
         g = self.grpo.generations
         if self.objective == "grpo" and (self.global_batch % g or self.micro_batch % g):
             raise ConfigError(f"train.global_batch={self.global_batch} and train.micro_batch={self.micro_batch} count completions "
@@ -224,8 +230,8 @@ class Config:
         if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
-                              f"(train.objective=grpo with data.format=prompts), next_token on text or chat")
-        if self.train.objective != "next_token" and self.eval.interval:
+                              f"(train.objective=grpo with data.format=prompts), next_token and distill on text or chat")
+        if self.train.objective not in ("next_token", "distill") and self.eval.interval:
             raise ConfigError(f"eval.interval with train.objective={self.train.objective}: not supported (every step logs its "
                               f"rewards)")
         if self.train.objective == "grpo" and self.dist.strategy == "fsdp":
@@ -412,7 +418,8 @@ def describe() -> str:
 
 GROUP_DOCS = {"run": "docs/run_folder.md", "model": "docs/models.md", "model.moe": "docs/models.md",
               "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md", "train.dpo": "docs/dpo.md",
-              "train.grpo": "docs/rl.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
+              "train.grpo": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
+              "train.distill.teacher_model.moe": "docs/distill.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
               "dist": "docs/resuming.md, docs/sharding.md", "runtime": "docs/resuming.md", "log": "docs/watching.md",
               "eval": "docs/watching.md"}
 """Where docs/ explains each group of keys (`describe`, the --help of train.py and python -m configs)."""

@@ -31,6 +31,9 @@ MAY_CHANGE = {
     "config.train.lora.dropout": ("train.lora.dropout", _DIFFERS),
     **{f"config.train.{k}": (f"train.{k}", _DIFFERS) for k in ("dpo.beta", "grpo.temperature", "grpo.top_p", "grpo.max_new_tokens",
                                                               "grpo.beta", "grpo.eps", "grpo.eps_high")},
+    **{f"config.train.distill.{k}": (f"train.distill.{k}", _DIFFERS) for k in ("alpha", "temperature")},
+    "config.train.distill.top_k": ("train.distill.top_k", "the KL runs over another part of the teacher's distribution from here "
+                                   "on (0 and the vocabulary size are the same bits: docs/distill.md)"),
     "config.train.dpo.precompute": ("train.dpo.precompute", "the reference's log-probabilities are the same bits live and "
                                     "precomputed (tests/test_dpo.py): the run goes on as the uninterrupted one"),
     "config.runtime.deterministic": ("runtime.deterministic", "other kernels may run: bit-equality with the uninterrupted run is not promised"),

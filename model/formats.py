@@ -214,6 +214,27 @@ def hf_differences(hf: dict, cfg: ModelConfig) -> list[str]:
     return diffs
 
 
+def hf_model_keys(hf: dict) -> dict:
+    """The `model.*` keys of the model a Hugging Face `config.json` (Llama, Qwen3, Qwen3-MoE) describes,
+    absent fields at transformers' defaults (the inverse of `hf_config`; `hf_differences` against the
+    result lists what it cannot say, e.g. rope scaling). Not seq_len: the reader gives its own."""
+    model_type = hf.get("model_type", "llama")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    if model_type not in ("llama", "qwen3", "qwen3_moe") or not all(isinstance(v, int) and v > 0 for v in (heads, hidden)):
+        raise WeightsError(f"config.json: model_type {model_type!r} with hidden_size {hidden!r} and num_attention_heads {heads!r}: "
+                           f"expected llama, qwen3 or qwen3_moe with positive sizes")
+    rope = hf.get("rope_parameters") or {}
+    head_dim = hf.get("head_dim") or hidden // heads
+    keys = {"dim": hidden, "n_layers": hf.get("num_hidden_layers"), "n_heads": heads,
+            "n_kv_heads": hf.get("num_key_value_heads", heads), "head_dim": 0 if head_dim * heads == hidden else head_dim,
+            "qk_norm": model_type != "llama", "vocab_size": hf.get("vocab_size"), "hidden_dim": hf.get("intermediate_size"),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if model_type == "qwen3_moe":
+        keys["moe"] = {"experts": hf.get("num_experts"), "top_k": hf.get("num_experts_per_tok"),
+                       "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "hidden_dim": hf.get("moe_intermediate_size")}
+    return keys
+
+
 def check_tensors(state: dict[str, torch.Tensor], source: str, names=lambda k: k) -> None:
     """Every tensor floating point and finite; else a WeightsError naming each that is not."""
     bad = [f"{names(k)} ({t.dtype})" for k, t in state.items() if not t.is_floating_point()]

@@ -2,10 +2,12 @@
 micro-batch in, its loss out; a step's metrics; `start`, after the resume, for what it needs beside
 the model; `prepare`, before a step's forwards; `states`, what it adds to a checkpoint), and the
 optimizer with its learning-rate schedule (optim.py). Next-token prediction (pretraining and SFT) is
-next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py. What a run is
-measured by beside its loss: benchmark tasks scored as lm-evaluation-harness scores them (benchmark.py)."""
+next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py, knowledge
+distillation from a frozen teacher distill.py. What a run is measured by beside its loss: benchmark
+tasks scored as lm-evaluation-harness scores them (benchmark.py)."""
 from data import BatchPlan
 
+from .distill import Distill, DistillConfig
 from .dpo import DPO, DPOConfig
 from .grpo import GRPO, GRPOConfig
 from .next_token import NextToken, evaluate
@@ -26,10 +28,12 @@ def make_objective(cfg, dataset, micro_batches: int, model, tok, rt):
     """train.objective's objective for the run's (training) dataset."""
     if cfg.train.objective == "dpo":
         return DPO(dataset, micro_batches, cfg.train.micro_batch, cfg.train.dpo, model)
+    if cfg.train.objective == "distill":
+        return Distill(dataset, micro_batches, cfg.train.micro_batch, cfg.data.format == "chat", cfg.train.distill, model)
     if cfg.train.objective == "grpo":
         return GRPO(dataset, micro_batches, cfg.train.global_batch, cfg.train.grpo, cfg.seed, tok, rt, model)
     return NextToken(dataset, micro_batches, cfg.data.format == "chat", model)
 
 
-__all__ = ["DPO", "DPOConfig", "GRPO", "GRPOConfig", "NextToken", "evaluate", "lr_at", "make_objective", "make_optimizer",
+__all__ = ["DPO", "DPOConfig", "Distill", "DistillConfig", "GRPO", "GRPOConfig", "NextToken", "evaluate", "lr_at", "make_objective", "make_optimizer",
            "make_plan"]

@@ -148,7 +148,7 @@ class DPO:
         if not self.cfg.precompute:
             self.reference = reference
         else:
-            table = _table_path(self.dataset, meta.data_fingerprint, sha, self.segments, self.autocast)
+            table = _table_path(self.dataset, meta.data_fingerprint, sha, f"S{self.segments}", self.autocast)
             needed = rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
             writer = rt.rank == 0 or (not cfg.data.shared_cache and rt.local_rank == 0)
             self.table = _precomputed(self, reference, rt, table, needed, writer, agree)
@@ -170,19 +170,23 @@ def rows_read(num_samples: int, global_batch: int, seed: int, order: str, steps:
     return np.unique(np.concatenate(seen)) if seen else np.zeros(0, dtype=np.int64)
 
 
-def _table_path(dataset, fingerprint: dict, sha: str, segments: int, autocast: tuple[str, str]) -> Path:
+def _table_path(dataset, fingerprint: dict, sha: str, shape: str, autocast: tuple[str, str], kind: str = "ref",
+                suffix: str = ".npy") -> Path:
     """Beside the packed rows, named by what its figures are a function of: the packed rows' own
-    fingerprint (the corpus's bytes, the tokenizer, the packing), the reference's identity and the
-    autocast it ran under."""
+    fingerprint (the corpus's bytes, the tokenizer, the packing), the frozen model's identity, the
+    autocast it ran under and the table's `shape` (DPO's sides, distillation's top-k); `kind`: whose
+    table ("ref": DPO's reference, "teacher": distillation's, objectives/distill.py)."""
     rows = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
     stem = Path(dataset.bin_path).stem
-    return Path(dataset.bin_path).with_name(f"{stem}.ref-{rows}-{sha[:16]}-{'-'.join(autocast)}-S{segments}-N{dataset.start + len(dataset)}.npy")
+    return Path(dataset.bin_path).with_name(f"{stem}.{kind}-{rows}-{sha[:16]}-{'-'.join(autocast)}-{shape}-N{dataset.start + len(dataset)}"
+                                            f"{suffix}")
 
 
-def _stale(table: Path) -> list[Path]:
-    """Tables beside the same packed rows for other rows (a repacked corpus): they can never be read again."""
-    stem, rows = table.name.split(".ref-")[0], table.name.split(".ref-")[1].split("-")[0]
-    return [p for p in table.parent.glob(f"{stem}.ref-*.npy") if p.name.split(".ref-")[1].split("-")[0] != rows]
+def _stale(table: Path, kind: str = "ref") -> list[Path]:
+    """Tables of the same kind beside the same packed rows for other rows (a repacked corpus): they can never be read again."""
+    mark = f".{kind}-"
+    stem, rows = table.name.split(mark)[0], table.name.split(mark)[1].split("-")[0]
+    return [p for p in table.parent.glob(f"{stem}{mark}*{table.suffix}") if p.name.split(mark)[1].split("-")[0] != rows]
 
 
 def _precomputed(dpo: DPO, reference, rt, table: Path, needed: np.ndarray, writer: bool, agree) -> np.ndarray:

@@ -62,13 +62,15 @@ def _step_of(line: str) -> int | None:
 
 def headline(record: dict) -> dict[str, float]:
     """The figures a person watches, by objective (the bar's postfix, the closing line, `python -m
-    checkpoint status`): GRPO's mean reward, DPO's loss and pair accuracy, else the loss (and the
-    validation loss when the line has one). The first is the headline."""
+    checkpoint status`): GRPO's mean reward, DPO's loss and pair accuracy, else the loss (with a
+    distillation's top-1 agreement with its teacher, and the validation loss when the line has one).
+    The first is the headline."""
     if "reward/mean" in record:
         return {"reward": record["reward/mean"], "loss": record["loss"]}
     if "rewards/accuracies" in record:
         return {"loss": record["loss"], "accuracy": record["rewards/accuracies"]}
-    return {"loss": record["loss"], **({"val_loss": record["val_loss"]} if "val_loss" in record else {})}
+    return {"loss": record["loss"], **({"agreement": record["top1_agreement"]} if "top1_agreement" in record else {}),
+            **({"val_loss": record["val_loss"]} if "val_loss" in record else {})}
 
 
 class Metrics:

@@ -6,7 +6,8 @@ MoE, LoRA, DPO, GRPO, resume cost, data preparation, sharding.
 
 One run, one table; each row is a ratio against a baseline measured beside it in the same run (the
 hardware's floor, a minimal loop of our own, or a peer run unmodified). Timings live here and in
-docs/bench.json (written whole by this script), never in a test. The peer rows need MiniMind's
+docs/bench.json (written whole by this script; with --only, those sections' rows replace theirs and
+the file's "sections" says when and how each was run again), never in a test. The peer rows need MiniMind's
 trainer's requirements (transformers, datasets: requirements-bench.txt), installed here when
 missing, never by scripts/train.sh.
 """
@@ -75,6 +76,7 @@ AIMS = {
     "activation checkpointing / none, peak RSS": ("<=", 0.7),
     "DPO, precomputed / live reference, step time": ("<=", 0.6),
     "served stream / generate_ids tokens per second": (">=", 0.9),
+    "distill, top-32 precomputed / live teacher, step time": ("<=", 0.6),
 }
 SMALL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.hidden_dim=1664", "model.qk_norm=true",
          "model.norm_eps=1e-6", "model.seq_len=256"]
@@ -1398,8 +1400,46 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
     ]
 
 
+def distill_rows(work: Path, steps: int) -> list[dict]:
+    """Distillation on the built-in chats at the tiny shape (seq_len 256, batch 16 rows, 1 process):
+    step time with a live teacher of twice the student's width against next-token training of the
+    student alone, and their peak RSS; the teacher's top 32 precomputed against the live teacher;
+    the table's bytes per taught position; under fsdp the teacher's bytes per rank (it is
+    replicated) against the student's shard."""
+    from objectives.distill import TopK
+
+    base = ["--config", "configs/tiny.yaml", "data.path=stdlib-chat", "data.format=chat", "model.seq_len=256", "train.global_batch=16",
+            "train.micro_batch=4", f"train.steps={steps}", "checkpoint.interval=0", "log.progress=false",
+            f"data.cache_dir={work / 'distill-cache'}"]
+    wide = ["model.dim=256", "model.n_heads=8", "model.n_kv_heads=4"]  # the default's heads of 32 at twice the width
+    launch([*base, *wide, "train.steps=1", f"out_dir={work / 'distill-teacher'}"], work / "distill.log")
+    distill = ["train.objective=distill", f"train.distill.teacher={work / 'distill-teacher'}"]
+    t, rss = {}, {}
+    for name, extra in (("student", []), ("live", distill), ("top32", [*distill, "train.distill.top_k=32"])):
+        out = work / f"distill-{name}"
+        rss[name], _ = run_rss([*base, *extra, f"out_dir={out}"], work)
+        t[name] = step_median(out, 2)
+    (table,) = (work / "distill-cache").rglob("*.teacher-*-K32-*.npz")
+    positions = int(TopK.read(table, 32, 259).offsets[-1])
+    teacher, student = (load_config(ROOT / "configs" / "tiny.yaml", [*base[2:], *w]).model for w in (wide, []))
+    tb, sb = (MiniMindLM(c).num_parameters() * 4 for c in (teacher, student))
+    return [{"row": "distillation, tiny shape at seq_len 256, batch 16 chat rows, 1 process, a live teacher of 2x width (dim 256)",
+             "what": "distill (live teacher) / next-token, step time", "value": t["live"] / t["student"],
+             "detail": f"{t['live'] * 1e3:.0f} ms / {t['student'] * 1e3:.0f} ms (the teacher: one forward per row, no graph)"},
+            {"row": "distillation, the same runs", "what": "distill (live teacher) / next-token, peak RSS", "value": rss["live"] / rss["student"],
+             "detail": f"{rss['live'] / 2**20:.0f} MiB / {rss['student'] / 2**20:.0f} MiB (VmHWM of the whole process)"},
+            {"row": "distillation, the teacher's top 32 precomputed before training", "what": "distill, top-32 precomputed / live teacher, step time",
+             "value": t["top32"] / t["live"], "aim": "distill, top-32 precomputed / live teacher, step time",
+             "detail": f"{t['top32'] * 1e3:.0f} ms / {t['live'] * 1e3:.0f} ms"},
+            {"row": "distillation's top-32 table", "what": "bytes per taught position", "value": table.stat().st_size / positions,
+             "detail": f"{table.stat().st_size / 2**20:.2f} MiB for {positions:,} taught positions (32 fp32 logits + 32 uint16 ids each)"},
+            {"row": "distillation under fsdp, 2 processes (from the parameter counts)", "what": "teacher bytes per rank / student's shard",
+             "value": tb / (sb / 2), "detail": f"{tb / 2**20:.2f} MiB (replicated: every rank holds the whole fp32 teacher) / "
+                                                f"{sb / 2 / 2**20:.2f} MiB (half the student's fp32 parameters)"}]
+
+
 SECTIONS = ("checkpoint", "throughput", "loop", "peer", "compile", "models", "lora", "dpo", "grpo", "corpora", "packing", "sft",
-            "sharding", "generation", "serve")
+            "sharding", "generation", "serve", "distill")
 
 
 def small_model() -> ModelConfig:
@@ -1439,6 +1479,7 @@ def main(argv: list[str] | None = None) -> int:
         "sharding": lambda: sharding_rows(work, 6 if q else 10),
         "generation": lambda: generation_rows(64 if q else 256),
         "serve": lambda: serve_rows(work, 128 if q else 256),
+        "distill": lambda: distill_rows(work, 6 if q else 12),
     }
     rows: list[dict] = []
     try:

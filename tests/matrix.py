@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "objective": ("pretrain", "sft", "lora", "dpo_live", "dpo_pre", "grpo", "cispo2"),
+    "objective": ("pretrain", "sft", "lora", "dpo_live", "dpo_pre", "grpo", "cispo2", "distill"),
     "source": ("seeded", "run", "hf", "pth", "peft"),
     "model": ("minimind2", "minimind3", "moe"),
     "strategy": ("ddp", "fsdp"),

@@ -18,7 +18,8 @@ CASES = matrix.cases()
 
 
 def _inputs(out: Path, corpus: Path) -> None:
-    """Each objective's corpus, small: text, chats, preference pairs, prompts and a pure reward."""
+    """Each objective's corpus, small: text, chats, preference pairs, prompts and a pure reward; and
+    distillation's teacher, an MoE of twice the width (2 steps on the text)."""
     from test_chat import conversations
     from test_dpo import pairs, write
     from test_grpo import REWARD
@@ -30,6 +31,11 @@ def _inputs(out: Path, corpus: Path) -> None:
     words = "red blue green cat dog sun moon tree river stone bird fish".split()
     write(out / "prompts.jsonl", [{"prompt": f"Say {w}.", "answer": w} for w in words] * 2)
     (out / "rewards.py").write_text(REWARD)
+    launch.run(0, *matrix.COMMON, *data_overrides(out)["pretrain"], *TEACHER, "train.steps=2", f"out_dir={out / 'teacher'}")
+
+
+TEACHER = ["model.dim=64", "model.qk_norm=true", "model.norm_eps=1e-6", "model.moe.experts=4", "model.moe.top_k=2"]
+"""Distillation's teacher in every case: an MoE of twice the width, whatever the student's model."""
 
 
 def data_overrides(inputs: Path) -> dict[str, list[str]]:
@@ -43,6 +49,8 @@ def data_overrides(inputs: Path) -> dict[str, list[str]]:
         "grpo": [f"data.path={inputs / 'prompts.jsonl'}", "data.format=prompts", "train.objective=grpo", cache,
                  "train.global_batch=12", "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
                  f"train.grpo.reward={inputs / 'rewards.py'}:vowels"],
+        "distill": [f"data.path={inputs / 'corpus.txt'}", cache, "train.global_batch=12", "train.micro_batch=2",
+                    "train.objective=distill", f"train.distill.teacher={inputs / 'teacher'}"],
     }
 
 

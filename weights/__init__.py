@@ -5,7 +5,7 @@ checkpoint holds, for generation and chat (ours.py), and the exports for MiniMin
 from .exports import FORMATS, export
 from .adapters import lora_start, read_adapters
 from .ours import load_model, load_tokenizer, tokenizer_files
-from .sources import base_weights, checkpoint_weights, identity, init_from, model_config, pin, read_source, verified_base
+from .sources import architecture_of, base_weights, checkpoint_weights, identity, init_from, model_config, pin, read_source, verified_base
 
-__all__ = ["FORMATS", "base_weights", "checkpoint_weights", "export", "identity", "init_from", "load_model", "load_tokenizer", "lora_start", "model_config",
+__all__ = ["FORMATS", "architecture_of", "base_weights", "checkpoint_weights", "export", "identity", "init_from", "load_model", "load_tokenizer", "lora_start", "model_config",
            "pin", "read_adapters", "read_source", "tokenizer_files", "verified_base"]

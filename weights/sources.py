@@ -11,6 +11,7 @@ folded in (docs/lora.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from checkpoint import storage
 from common.seeds import generators_apart, seed_all
 from model import MiniMindLM, ModelConfig
-from model.formats import WeightsError, check_fits, check_tensors, from_llama, hf_differences, is_llama, llama_name
+from model.formats import WeightsError, check_fits, check_tensors, from_llama, hf_differences, hf_model_keys, is_llama, llama_name
 from model.lora import LoRAConfig, is_adapter, merged
 
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
@@ -60,15 +61,15 @@ def lora_of(manifest: dict) -> LoRAConfig:
     return LoRAConfig.of((manifest.get("config", {}).get("train") or {}).get("lora"))
 
 
-def base_weights(cfg: ModelConfig, seed: int, path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """A LoRA run's base, fp32, under our keys: the weights at `path` (any model.init_from source), or
-    with no path the seeded init of `seed` (drawn apart: the caller's generators are left as they were).
-    Returns (weights, the source's record or None)."""
+def base_weights(cfg: ModelConfig, seed: int, path: str, key: str = "model.init_from") -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A LoRA run's base, fp32, under our keys: the weights at `path` (any model.init_from source; `key`
+    the config key that names it), or with no path the seeded init of `seed` (drawn apart: the caller's
+    generators are left as they were). Returns (weights, the source's record or None)."""
     if not path:
         with generators_apart():  # python's, numpy's and torch's generators as the run left them (docs/design.md I6)
             seed_all(seed)
             return MiniMindLM(cfg).state_dict(), None
-    state, record = read_source(path, cfg)
+    state, record = read_source(path, cfg, key)
     names = llama_name if record["keys"] == "llama" else (lambda k: k)
     check_fits(state, _base_shapes(cfg), str(path), names)
     check_tensors(state, str(path), names)
@@ -95,7 +96,7 @@ def verified_base(cfg: ModelConfig, seed: int, path: str, pinned: dict, whose: s
     """`base_weights`, refused unless they are the model `pinned` (a `pin` record, or an earlier
     release's {sha256}) names: a LoRA run's base, which `whose` adapters were trained over, or (key,
     what, names) another pinned model's, e.g. DPO's reference."""
-    state, record = base_weights(cfg, seed, path)
+    state, record = base_weights(cfg, seed, path, names)
     same, got = storage.identity_matches(pinned, "sha256", state, cfg.architecture())
     if not same:
         where = path or f"the seeded init of seed {seed}"
@@ -131,11 +132,45 @@ def checkpoint_base(folder: Path, manifest: dict, cfg: ModelConfig) -> tuple[dic
     return verified_base(cfg, int(manifest["config"].get("seed", 0)), source, base, f"the adapters of {folder}")
 
 
-def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """(the weights under our key names, the record of where they came from: path, sha256, format)."""
+def architecture_of(path: str | Path, given: ModelConfig | None, seq_len: int, key: str) -> tuple[ModelConfig, str]:
+    """The architecture of the model at `path`, read from the source itself where it carries one: a
+    run or checkpoint folder its manifest's model config, a Hugging Face folder its config.json; a
+    weights file (a MiniMind .pth, safetensors, our fp16 file) carries none, and `given` (the keys
+    that describe it) is used. `seq_len`: the positions it will read (rotary tables, not weights).
+    Returns (the config, where it came from); a source that cannot be read is bad input naming `key`."""
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(f"{key}: {path} does not exist")
+    try:
+        if path.is_dir() and (path / HF_CONFIG).is_file():
+            hf = json.loads(read_bytes_of(path / HF_CONFIG, key))
+            keys, where = hf_model_keys(hf if isinstance(hf, dict) else {}), f"{path / HF_CONFIG}"
+        elif path.is_dir():
+            try:
+                folder, manifest, _ = storage.find_checkpoint(path)
+            except storage.NoCheckpoint as e:
+                raise WeightsError(f"{key}: {e}") from None
+            keys, where = dict(manifest["config"]["model"]), f"{folder / storage.MANIFEST}'s model config"
+        elif given is None:
+            raise WeightsError(f"{key}: {path} is a weights file, which carries no architecture: describe it")
+        else:
+            keys, where = dataclasses.asdict(given), "given"
+        keys.update(seq_len=seq_len, dropout=0.0, init_from="")
+        return ModelConfig.from_dict(keys), where
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{key}: {path / HF_CONFIG} does not parse ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, WeightsError):
+            raise
+        raise WeightsError(f"{key}: {path} describes no model we can build ({type(e).__name__}: {e})") from None
+
+
+def read_source(path: str | Path, cfg: ModelConfig, key: str = "model.init_from") -> tuple[dict[str, torch.Tensor], dict]:
+    """(the weights under our key names, the record of where they came from: path, sha256, format);
+    `key`: the config key that names the source, in the errors."""
     path = Path(path)
     if path.is_dir() and (path / HF_CONFIG).is_file():
-        config_bytes, data = read_bytes_of(path / HF_CONFIG), read_bytes_of(path / HF_WEIGHTS)
+        config_bytes, data = read_bytes_of(path / HF_CONFIG, key), read_bytes_of(path / HF_WEIGHTS, key)
         try:
             hf = json.loads(config_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -159,14 +194,14 @@ def read_source(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Ten
         record = {"path": str(folder.resolve()), "sha256": hashlib.sha256(listing.encode()).hexdigest(), "format": "checkpoint",
                   "model_sha256": identity(state, cfg)}
     else:
-        data = read_bytes_of(path)
+        data = read_bytes_of(path, key)
         if path.suffix == ".safetensors":
             state = _safetensors(data, path)
         else:
             try:
                 state = storage.safe_load_bytes(data, path)
             except storage.CheckpointError as e:  # pickled code, or not a torch file: a source we refuse, bad input
-                raise WeightsError(f"model.init_from: {e}") from None
+                raise WeightsError(f"{key}: {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise WeightsError(f"{path}: not a state dict (a mapping of names to tensors)")
         record = {"path": str(path.resolve()), "sha256": hashlib.sha256(data).hexdigest(),
