@@ -95,12 +95,14 @@ def inputs(copy: Path) -> None:
         where.mkdir(parents=True, exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(shared / name, where / name)
-    from test_chat import conversations
+    from data.prepare import build_stdlib_chat, build_stdlib_corpus
 
-    texts = [{"text": f"Sample {i}: the river runs past the stone, and the bird sings to the moon {i % 7} times."} for i in range(400)]
+    docs = build_stdlib_corpus(copy.parent / "stdlib.jsonl").read_text().splitlines()[:3000]  # real prose: a BPE of 6,400 ids learns
+    texts = [json.loads(line) for line in docs]
     for name in ("pretrain.jsonl", "pretrain_hq.jsonl"):
         (copy / name).write_text("".join(json.dumps(t) + "\n" for t in texts))
-    (copy / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations()))
+    chats = build_stdlib_chat(copy.parent / "stdlib-chat.jsonl").read_text().splitlines()[:400]
+    (copy / "sft.jsonl").write_text("".join(line + "\n" for line in chats))
     (copy / "corpus").mkdir()
     with gzip.open(copy / "corpus" / "part1.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(t) + "\n" for t in texts)

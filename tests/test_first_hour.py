@@ -1,5 +1,5 @@
 """A newcomer's first hour (issue 42): the documented commands work as written (scripts/preempt.sh in
-both modes, the README's resume demo, --help), an error stays the last line on screen, a refused
+both modes, --help; the README's resume demo runs in tests/test_docs.py), an error stays the last line on screen, a refused
 launch leaves no run folder behind, `status` says where a run is (running, or SIGKILLed), and the
 small things a person watching sees (the bar's figures, the dropped metrics lines, GRPO's reward)."""
 from __future__ import annotations
@@ -156,37 +156,6 @@ def test_a_config_error_under_torchrun_is_printed_once_not_once_per_rank(tmp_pat
     proc = launch.run(2, *tiny, "train.no_such_key=1", f"out_dir={tmp_path / 'run'}", expect=None)
     assert proc.stderr.count("unknown key 'train.no_such_key'") == 1, proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
-
-
-# ---------------------------------------------------------------------------------------------- the README's resume demo
-
-def readme_demo() -> list[str]:
-    """The README's resume demo: the lines of its "Resuming" block from `A=` to the status command."""
-    text = (launch.ROOT / "README.md").read_text()
-    block = text[text.index("## Resuming, stopping"):].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
-    start = next(i for i, line in enumerate(lines) if line.startswith("A="))
-    end = next(i for i, line in enumerate(lines) if "checkpoint status" in line)
-    return lines[start:end + 1]
-
-
-@pytest.mark.e2e
-def test_the_readmes_resume_demo_works_as_written_halted_on_2_resumed_on_3_equals_1(tmp_path, tiny):
-    """The demo's commands in order, with the tests' tiny model (80 steps) in front of its own
-    overrides and runs/ in a temporary folder: each exits 0, and the compare says identical."""
-    demo = readme_demo()
-    assert demo[0].startswith('A="') and any("--nproc 3" in line for line in demo) and any("compare" in line for line in demo)
-    small = " ".join([*(o for o in tiny if not o.startswith(("checkpoint.interval", "train.steps"))), "train.steps=80"])
-    script = "\n".join(line.replace('A="', f'A="{small} ', 1) if line.startswith("A=") else line for line in demo)
-    script = script.replace("runs/", f"{tmp_path}/runs/").replace(".venv/bin/python", sys.executable)  # the same venv, from a copy too
-    for number, line in enumerate(script.splitlines()):
-        if line.startswith("A="):
-            continue
-        proc = subprocess.run(["bash", "-c", f"{script.splitlines()[0]}\n{line}"], cwd=launch.ROOT, capture_output=True, text=True,
-                              timeout=SCRIPT_TIMEOUT, env={**launch.os.environ, **VENV})
-        assert proc.returncode == 0, f"{demo[number]}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert launch.metrics(tmp_path / "runs" / "demo")[-1]["step"] == 80
-    assert json.loads(proc.stdout)["step"] == 80  # the status line, last
 
 
 # ---------------------------------------------------------------------------------------------- status
