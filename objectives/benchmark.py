@@ -105,6 +105,12 @@ def _rows(path: Path):
         return
     if path.suffix.lower() not in (".jsonl", ".json"):
         raise TaskError(f"{path}: expected a .jsonl or .csv file in C-Eval's layout (question, A, B, C, D, answer)")
+    yield from _json_lines(path, text, "question, A, B, ..., answer")
+
+
+def _json_lines(path: Path, text: str, expected: str):
+    """(line number, object) of each non-empty line of a JSONL file; a line that is not a JSON object is
+    a TaskError naming file:line and `expected`."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -113,7 +119,7 @@ def _rows(path: Path):
         except json.JSONDecodeError as e:
             raise TaskError(f"{path}:{lineno}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise TaskError(f"{path}:{lineno}: expected an object with question, A, B, ..., answer")
+            raise TaskError(f"{path}:{lineno}: expected an object with {expected}")
         yield lineno, row
 
 
@@ -295,14 +301,8 @@ def read_documents(path: Path) -> list[str]:
         docs = [text] if text.strip() else []
     else:
         docs = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        for lineno, row in _json_lines(path, text, 'a "text" string'):
+            if not isinstance(row.get("text"), str):
                 raise TaskError(f'{path}:{lineno}: expected an object with a "text" string')
             docs.append(row["text"])
     if not docs:
