@@ -29,8 +29,8 @@ from common.outcome import attempt, exit_code, outcome_of
 from common.seeds import derive_seed, seed_all
 from configs import Config, ConfigError, describe, load_config, load_tokenizer, to_dict
 from configs.resume import policy
-from data import BatchPlan, BatchPlanError, BlockDistributedSampler, PackedDataset, unigram_entropy
-from data.loader import step_batches
+from data import BatchPlan, BatchPlanError, PackedDataset, unigram_entropy
+from data.loader import make_sampler, step_batches
 from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
@@ -70,7 +70,7 @@ class Run:
         # The same states, under the same names, whatever the strategy: a checkpoint resumes under either (docs/sharding.md).
         # A LoRA run's model state is its adapters: the frozen base is referenced by its hash (docs/lora.md).
         return {"model": ModelState(self.model, trainable_only=self.ckpt.meta.config["train"]["lora"]["rank"] > 0), "optimizer": OptimizerState(self.model, self.opt), "train": self.train_state,
-                **({"scaler": self.scaler} if self.scaler else {}), **self.objective.states()}
+                **({"scaler": self.scaler} if self.scaler else {}), **self.objective.states(), **self.dataset.states(self.train_state)}
 
 
 def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
@@ -244,7 +244,7 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
     metrics = resume(cfg, rt, run, protocol)
     epoch, first = run.train_state.position(run.plan.global_batch, run.steps_per_epoch)
     reducer = make_reducer(cfg, rt, run)
-    sampler = BlockDistributedSampler(len(run.dataset), run.plan, rt.rank, cfg.seed, cfg.data.order)
+    sampler = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, (epoch, first))
     step = start = run.train_state.step
     halted = 0 < cfg.train.halt_at <= start
     if halted:

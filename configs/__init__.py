@@ -20,6 +20,7 @@ from common.outcome import BadInput
 
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
+from data.mix import parse_mix
 from data.prepare import VERIFY
 from data.sampler import ORDERS
 from model.config import ModelConfig
@@ -143,6 +144,11 @@ class DataConfig:
     shared_cache: bool = False
     """false: each node's first rank packs into its data.cache_dir | true: data.cache_dir is one shared file
     system and rank 0 packs for every node."""
+    mix: list = field(default_factory=list)
+    """A weighted mixture instead of data.path: a list of {path, weight, name, format} (each path as data.path takes
+    it), interleaved by weight; the weights may change on a resume, a new phase (docs/data.md)."""
+    mix_drop: str = ""
+    """Comma-separated names of sources a resume may drop from data.mix (a removal is refused otherwise)."""
 
     def __post_init__(self) -> None:
         _positive("data.num_samples", self.num_samples, zero_ok=True)
@@ -162,6 +168,15 @@ class DataConfig:
                 break
         if self.val_path and self.val_samples:
             raise ConfigError("data.val_path and data.val_samples: give one validation set, not both")
+        if self.mix:
+            try:
+                parse_mix(self.mix, self.format)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            for key, value in (("data.num_samples", self.num_samples), ("data.val_samples", self.val_samples)):
+                if value:
+                    raise ConfigError(f"{key}={value} with data.mix: not supported (a mix reads each source whole; "
+                                      f"validate on data.val_path)")
 
 
 @dataclass
@@ -231,6 +246,8 @@ class Config:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
                               f"(train.objective=grpo with data.format=prompts), next_token and distill on text or chat")
+        if self.data.mix and self.train.objective != "next_token":
+            raise ConfigError(f"data.mix with train.objective={self.train.objective}: a mix trains next_token only")
         if self.train.objective not in ("next_token", "distill") and self.eval.interval:
             raise ConfigError(f"eval.interval with train.objective={self.train.objective}: not supported (every step logs its "
                               f"rewards)")
@@ -265,6 +282,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return float(value)
             except ValueError:
                 pass
+    elif typ is list:
+        if isinstance(value, list):
+            return value
     elif typ is str:
         if isinstance(value, str):
             return value

@@ -61,6 +61,10 @@ class PackedDataset(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_data": None}
 
+    def states(self, train_state) -> dict:
+        """The dataset's own resume state: none, its position is the train state's (a mix's is its counts: data/mix.py)."""
+        return {}
+
     def __len__(self) -> int:
         return self.n
 

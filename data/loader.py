@@ -3,12 +3,29 @@
 SkipBatchSampler that skips what this rank's stream already consumed, `step_in_epoch * accum`."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
-from .sampler import BlockDistributedSampler, SkipBatchSampler
+from .mix import MixDataset, MixSampler
+from .sampler import BatchPlan, BlockDistributedSampler, SkipBatchSampler
+
+log = logging.getLogger("minimind")
+
+
+def make_sampler(dataset, plan: BatchPlan, rt, seed: int, order: str, train_state, where: tuple[int, int]):
+    """The run's batch sampler: the corpus's (data/sampler.py), or a mix's (data/mix.py), which
+    continues from the resumed counts (and says so when the mix changed: a new phase). `where` is
+    (epoch, step in epoch) where the loop continues."""
+    if not isinstance(dataset, MixDataset):
+        return BlockDistributedSampler(len(dataset), plan, rt.rank, seed, order)
+    dataset.order.g = plan.global_batch
+    phase = dataset.start(train_state.step)
+    if phase and rt.is_main:
+        log.warning("%s", phase)
+    return MixSampler(dataset, plan, rt.rank, train_state.step, *where)
 
 
 def step_batches(dataset, sampler: BlockDistributedSampler, epoch: int, first: int, num_workers: int, seed: int,

@@ -11,6 +11,7 @@ from runtime.board import hand_off
 
 from .chat import ChatOptions
 from .dataset import ChatDataset, PackedDataset, PreferenceDataset, PromptDataset
+from .mix import MixDataset, dropped, parse_mix
 from .prepare import pack, resolve_source
 from .sources import DataError
 
@@ -23,8 +24,15 @@ def _pack(cfg, seq_len: int, tok, chat, watch) -> dict:
     I/O error, a tokenizer's own exception, a bug: failed)."""
     cache = Path(cfg.cache_dir)
     try:
-        bin_path, meta = pack(resolve_source(cfg.path, cache), seq_len, cache, tok, verify=cfg.verify_source, watch=watch, chat=chat)
-        outcome = {"bin": str(bin_path), "meta": meta}
+        if cfg.mix:  # each source packed once, as a corpus of its own (data/mix.py)
+            outcome = {"mix": {}}
+            for source in parse_mix(cfg.mix, cfg.format):
+                bin_path, meta = pack(resolve_source(source.path, cache, f"data.mix[{source.name}].path"), seq_len, cache, tok,
+                                      verify=cfg.verify_source, watch=watch, chat=chat)
+                outcome["mix"][source.name] = {"bin": str(bin_path), "meta": meta, "weight": source.weight}
+        else:
+            bin_path, meta = pack(resolve_source(cfg.path, cache), seq_len, cache, tok, verify=cfg.verify_source, watch=watch, chat=chat)
+            outcome = {"bin": str(bin_path), "meta": meta}
         if cfg.val_path:
             val_bin, val_meta = pack(resolve_source(cfg.val_path, cache, "data.val_path"), seq_len, cache, tok,
                                      verify=cfg.verify_source, watch=watch, chat=chat)
@@ -55,6 +63,8 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
         if "error" in outcome:
             raise RankFailed(r, outcome["outcome"], outcome["error"], "packing")
     mine = outcomes[packer]
+    if "mix" in mine:
+        return _mix_of_run(cfg, seq_len, seed, mine)
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
     kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset}.get(chat.kind, ChatDataset)
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)
@@ -74,9 +84,38 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
     return dataset, val, fingerprint
 
 
+# What names one source's corpus (the mix's fingerprint keeps them per source) or describes its packing alone.
+_OWN = ("source", "source_sha256", "source_sha256_source", "files", "sources", "build_seconds")
+
+
+def _mix_of_run(cfg, seq_len: int, seed: int, mine: dict) -> tuple[MixDataset, PackedDataset | None, dict]:
+    """A mix's training set (its sources end to end, sorted by name), the validation set and the
+    fingerprint: what the sources share, and each one's identity under its name. The weights are
+    not in it: they may change on a resume (a new phase, data/mix.py)."""
+    packed = mine["mix"]
+    metas = [p["meta"] for p in packed.values()]
+    dtype = metas[0]["dtype"]
+    parts = [(name, PackedDataset(Path(p["bin"]), seq_len, dtype=dtype)) for name, p in sorted(packed.items())]
+    identities = {name: p["meta"]["source_sha256"] for name, p in packed.items()}
+    mix = MixDataset(parts, [packed[n]["weight"] for n, _ in parts], identities, seed, cfg.order, dropped(cfg.mix_drop))
+    val = PackedDataset(Path(mine["val_bin"]), seq_len, dtype=dtype) if cfg.val_path else None
+    shared = {k: v for k, v in metas[0].items() if k not in _OWN and all(m.get(k) == v for m in metas)}
+    fingerprint = {**{k: v for k, v in shared.items() if k in ("format", "tokenizer", "tokenizer_source", "tokenizer_sha256",
+                                                               "vocab_size", "dtype", "seq_len", "options")},
+                   "mix": {name: {"source_sha256": p["meta"]["source_sha256"], "source": p["meta"]["source"],
+                                  "samples": len(d)} for (name, d), p in zip(parts, [packed[n] for n, _ in parts])},
+                   "val_samples": len(val) if val else 0,
+                   **({"val_source_sha256": mine["val_meta"]["source_sha256"]} if cfg.val_path else {}),
+                   **({"order": cfg.order} if cfg.order != "randperm" else {})}
+    return mix, val, fingerprint
+
+
 def summary(fingerprint: dict, loss_on: str, entropy: float) -> str:
     """What the run's data is, in one line of the log."""
     m = fingerprint
+    if "mix" in m:
+        return "a mix of " + ", ".join(f"{n} ({v['samples']} samples)" for n, v in m["mix"].items()) + (
+            f"; unigram entropy of {next(iter(m['mix']))}, the first source, {entropy:.4f} nats/token")
     if "prompts" in m:
         return f"{m['prompts']} prompts, {m['tokens']} tokens, the longest {m['max_prompt']}"
     if "taught" not in m:

@@ -419,6 +419,15 @@ MUTANTS = (
     Mutant("context-unchecked", "max_tokens past the model's context is a 400 naming max_tokens, and the server goes on",
            "cli/serve.py", "    if req.max_tokens is not None and len(ids) + req.max_tokens > seq_len:\n", "    if False:\n",
            ("tests/test_serve.py::test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_server_keeps_serving[body10-max_tokens]",)),
+    Mutant("mix-not-furthest-behind", "a mix's next sample comes from the source furthest behind its share (Megatron's rule)",
+           "data/mix.py", "        return errors.index(max(errors))\n", "        return errors.index(min(errors))\n",
+           ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),
+    Mutant("mix-source-one-epoch", "a mix's source that runs out reads its next epoch's order (seed + epoch)",
+           "data/mix.py", "        epoch, p = divmod(j, self.sizes[k])\n", "        epoch, p = 0, j % self.sizes[k]\n",
+           ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),
+    Mutant("mix-sharded-by-rank", "a mix's micro-batch i of a step is computed by rank i mod W, on any world size",
+           "data/mix.py", "            i = j * w + self.rank\n", "            i = self.rank * self.plan.accum + j\n",
+           ("tests/test_mix.py::test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one",)),
 )
 
 

@@ -1,0 +1,257 @@
+"""A weighted mixture of corpora: each source packed once, their samples interleaved by weight over
+each source's own order, and the run's position the count consumed from each (docs/data.md).
+
+The rule (Megatron-LM's blended datasets): within a phase that began with counts `base`, the next
+sample comes from the source furthest behind its share, `argmax_k w_k * (t + 1) - d_k`, where
+`d_k = count_k - base_k`, `t = sum(d)` and the weights are normalized; a tie goes to the first name
+in sorted order. Source k's j-th sample is position `j % n_k` of its epoch `j // n_k` order
+(`make_order(data.order, n_k, seed, epoch)`: randperm(seed + epoch), or the bijection), so a small
+source starts its next epoch when it runs out while the others go on. The interleave is a pure
+function of (weights, base, counts): the counts after each step are the position a checkpoint
+holds, and a resume continues from them on any world size. A resume that changes the weights (or
+adds a source, or drops one named in data.mix_drop) starts a new phase at the counts reached.
+
+    weights a=0.75 b=0.25, G = 4:   step 0: a a b a   step 1: a a b a ...   counts after step 1: a=6 b=2
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch.utils.data import Dataset, Sampler
+
+from .sampler import BatchPlan, make_order
+from .sources import DataError
+
+log = logging.getLogger("minimind")
+
+KEYS = ("path", "weight", "name", "format")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+# A name becomes loss/<name> and tokens/<name>; it may not be a figure's own name either.
+RESERVED = frozenset({"step", "epoch", "loss", "lr", "samples_seen", "sample_ids", "val_loss", "tokens", "moe", "eval", "reward",
+                      "rewards", "kl", "time", "seconds"})
+
+
+@dataclass(frozen=True)
+class Source:
+    """One corpus of a mix: any `data.path` (file, folder, glob, built-in), its weight and its name."""
+
+    name: str
+    path: str
+    weight: float
+    format: str = "text"
+
+
+def parse_mix(entries: list, fmt: str = "text") -> list[Source]:
+    """`data.mix` as sources, sorted by name; a ValueError naming the key for anything else."""
+    if not isinstance(entries, list):
+        raise ValueError(f"data.mix: expected a list of {{path, weight, name, format}}, got {entries!r}")
+    out: dict[str, Source] = {}
+    for i, e in enumerate(entries):
+        key = f"data.mix[{i}]"
+        if not isinstance(e, dict) or "path" not in e:
+            raise ValueError(f"{key}: expected a mapping with a path (and weight, name, format), got {e!r}")
+        unknown = sorted(set(e) - set(KEYS))
+        if unknown:
+            raise ValueError(f"{key}: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
+        name = str(e.get("name") or str(e["path"]).rstrip("/").split("/")[-1].split(".")[0])
+        weight = e.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"{key}.weight: expected a number > 0, got {weight!r}")
+        if not NAME.match(name) or name in RESERVED:
+            raise ValueError(f"{key}.name: {name!r} cannot name a source (it becomes the figures loss/{name} and tokens/{name}): "
+                             f"expected letters, digits, '_', '-' or '.', and none of {', '.join(sorted(RESERVED))}")
+        if name in out:
+            raise ValueError(f"{key}.name: {name!r} names two sources (each source needs its own name)")
+        form = e.get("format", fmt)
+        if form != "text" or fmt != "text":
+            raise ValueError(f"{key}.format: {form!r} with data.format={fmt}: a mix reads text sources only (data.format=text)")
+        out[name] = Source(name, str(e["path"]), float(weight), form)
+    if not out:
+        raise ValueError("data.mix: an empty list (leave it out to read data.path)")
+    return [out[k] for k in sorted(out)]
+
+
+def dropped(spec: str) -> set[str]:
+    """`data.mix_drop`: comma-separated names."""
+    return {n.strip() for n in spec.split(",") if n.strip()}
+
+
+class MixOrder:
+    """The interleave: which source's which sample each global-batch slot of each step takes, from
+    the phase (base step, base counts, weights) and counts cached at step boundaries."""
+
+    def __init__(self, names: list[str], sizes: list[int], weights: list[float], seed: int, kind: str, global_batch: int) -> None:
+        self.names, self.sizes, self.seed, self.kind, self.g = names, sizes, seed, kind, global_batch
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.base_step, self.base = 0, [0] * len(names)
+        self.counts: dict[int, list[int]] = {0: [0] * len(names)}
+        self._orders: dict[int, tuple[int, object]] = {}
+        self._steps: dict[int, list[int]] = {}
+
+    def _next(self, counts: list[int]) -> int:
+        d = [c - b for c, b in zip(counts, self.base)]
+        t = sum(d)
+        errors = [w * (t + 1) - x for w, x in zip(self.weights, d)]
+        return errors.index(max(errors))
+
+    def _sample(self, k: int, j: int) -> int:
+        epoch, p = divmod(j, self.sizes[k])
+        held = self._orders.get(k)
+        if held is None or held[0] != epoch:
+            held = self._orders[k] = (epoch, make_order(self.kind, self.sizes[k], self.seed, epoch))
+        return self.offsets[k] + held[1].take(p, 1)[0]
+
+    def counts_at(self, step: int) -> list[int]:
+        """The samples consumed from each source after `step` optimizer steps."""
+        if step in self.counts:
+            return self.counts[step]
+        known = max((s for s in self.counts if s <= step), default=None)
+        if known is None or step < self.base_step:
+            raise ValueError(f"the mix's position at step {step} is before its phase began (step {self.base_step})")
+        for s in range(known, step):
+            self.step_samples(s)
+        return self.counts[step]
+
+    def step_samples(self, step: int) -> list[int]:
+        """The global batch of optimizer step `step` (0-based): G indices into the concatenated sources."""
+        if step not in self._steps:
+            counts = list(self.counts_at(step))
+            out = []
+            for _ in range(self.g):
+                k = self._next(counts)
+                out.append(self._sample(k, counts[k]))
+                counts[k] += 1
+            self.counts[step + 1] = counts
+            self.counts = {s: c for s, c in self.counts.items() if s > step - 64}  # the loop saves at most a few steps behind
+            self._steps = {step: out, **{s: v for s, v in self._steps.items() if s > step - 4}}
+        return self._steps[step]
+
+    def source_of(self, index: int) -> int:
+        return bisect.bisect_right(self.offsets, index) - 1
+
+    def state(self, step: int) -> dict:
+        counts = self.counts_at(step)
+        return {"step": step, "counts": dict(zip(self.names, counts)), "base_step": self.base_step,
+                "base": dict(zip(self.names, self.base)), "weights": dict(zip(self.names, self.weights))}
+
+    def resume(self, saved: dict, drop: set[str], identities: dict[str, str], saved_identities: dict[str, str]) -> str | None:
+        """Continue from a checkpoint's position; a new phase when the sources or weights changed.
+        Returns the line that says so (None: the same phase). A DataError for a refused change."""
+        gone = sorted(set(saved["counts"]) - set(self.names))
+        refused = [n for n in gone if n not in drop]
+        if refused:
+            raise DataError(f"data.mix: source {refused[0]!r} was in the mix at step {saved['step']} and is not now: removing a "
+                            f"source changes what the run has promised to read; name it in data.mix_drop to drop it (a new phase)")
+        for n in self.names:
+            if n in saved_identities and saved_identities[n] != identities[n]:
+                raise DataError(f"data.mix: source {n!r}'s corpus changed since the checkpoint (sha256 {saved_identities[n][:12]} -> "
+                                f"{identities[n][:12]}): give the changed corpus another name")
+        step, counts = int(saved["step"]), [int(saved["counts"].get(n, 0)) for n in self.names]
+        same = not gone and set(saved["counts"]) == set(self.names) and all(
+            abs(saved["weights"][n] - w) == 0 for n, w in zip(self.names, self.weights))
+        self._steps, self.counts = {}, {step: counts}
+        if same:
+            self.base_step, self.base = int(saved["base_step"]), [int(saved["base"][n]) for n in self.names]
+            return None
+        self.base_step, self.base = step, list(counts)
+        before = ", ".join(f"{n}={w:.4g}" for n, w in sorted(saved["weights"].items()))
+        now = ", ".join(f"{n}={w:.4g}" for n, w in zip(self.names, self.weights))
+        return (f"data.mix: a new phase from step {step}: weights {before} -> {now}"
+                f"{'; dropped ' + ', '.join(gone) if gone else ''}; counts kept: "
+                f"{', '.join(f'{n}={c}' for n, c in zip(self.names, counts))}")
+
+
+class MixDataset(Dataset):
+    """The sources' packed datasets end to end (sorted by name): global index = offset + local index."""
+
+    def __init__(self, parts: list[tuple[str, Dataset]], weights: list[float], identities: dict[str, str], seed: int, kind: str,
+                 drop: set[str]) -> None:
+        self.names = [n for n, _ in parts]
+        self.parts = [d for _, d in parts]
+        self.identities, self.drop = identities, drop
+        self.order = MixOrder(self.names, [len(d) for d in self.parts], weights, seed, kind, 0)  # G: set by the sampler
+        self.bin_path, self.dtype = self.parts[0].bin_path, self.parts[0].dtype  # the unigram yardstick: the first source's
+        self.seq_len = self.parts[0].seq_len
+        self.loaded: dict | None = None
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.parts)
+
+    def __getitem__(self, index: int):
+        k = self.order.source_of(index)
+        return self.parts[k][index - self.order.offsets[k]]
+
+    def source_of(self, indices: list[int]) -> list[int]:
+        return [self.order.source_of(i) for i in indices]
+
+    def states(self, train_state) -> dict:
+        return {"mix": MixPosition(self, train_state)}
+
+    def start(self, step: int) -> str | None:
+        """Where the mix continues: a fresh run at zero counts; a resumed one at its checkpoint's (the line saying so)."""
+        if self.loaded is None:
+            return None
+        saved = self.loaded
+        if int(saved["step"]) != step:
+            raise DataError(f"data.mix: the checkpoint's mix position is of step {saved['step']}, its step is {step}")
+        return self.order.resume(saved, self.drop, self.identities, saved.get("identities", {}))
+
+
+class MixPosition:
+    """The mix's resume state: the counts after the checkpoint's step, the phase and each source's identity (one JSON string,
+    so that a checkpoint holds it whatever sources the run has now)."""
+
+    def __init__(self, mix: MixDataset, train_state) -> None:
+        self.mix, self.train_state = mix, train_state
+
+    def state_dict(self) -> dict:
+        return {"position": json.dumps({**self.mix.order.state(self.train_state.step), "identities": self.mix.identities},
+                                       sort_keys=True)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mix.loaded = json.loads(state["position"])
+
+
+class MixSampler(Sampler[list[int]]):
+    """Rank `rank`'s micro-batches of the mix (BlockDistributedSampler's interface and sharding:
+    micro-batch i of a step is slots [i*micro, (i+1)*micro) of its global batch, computed by rank
+    i mod W). The loop's (epoch, step in epoch) are mapped back to the run's optimizer step from
+    where the run resumed: the mix has no epoch of its own, each source has its own."""
+
+    def __init__(self, mix: MixDataset, plan: BatchPlan, rank: int, step: int, epoch: int, first: int) -> None:
+        self.mix, self.plan, self.rank = mix, plan, rank
+        mix.order.g = plan.global_batch
+        self.anchor = step - epoch * self.steps_per_epoch() - first  # global step = anchor + epoch * spe + s
+        self.epoch = epoch
+
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch(len(self.mix))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch() * self.plan.accum
+
+    def _step(self, s: int) -> int:
+        return self.anchor + self.epoch * self.steps_per_epoch() + s
+
+    def iter_from(self, skip: int) -> Iterator[list[int]]:
+        micro, w = self.plan.micro_batch, self.plan.world_size
+        for k in range(skip, len(self)):
+            s, j = divmod(k, self.plan.accum)
+            i = j * w + self.rank
+            yield self.mix.order.step_samples(self._step(s))[i * micro:(i + 1) * micro]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.iter_from(0)
+
+    def step_indices(self, step_in_epoch: int) -> list[int]:
+        return list(self.mix.order.step_samples(self._step(step_in_epoch)))

@@ -1,0 +1,88 @@
+"""data.mix: weighted corpora interleaved by Megatron's blending rule, resumed sample-exactly on any
+world size from the counts consumed per source (docs/data.md "Mixtures and phases")."""
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+import launch
+from data.mix import MixOrder
+
+WORDS = "the a model data step epoch resume checkpoint rank world size batch order seed loss weight".split()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three corpora: a (about 900 samples of 32 tokens), b (about 360), c (about 25: it runs out
+    within a few steps, so its next epochs are read while the others go on)."""
+    root = tmp_path_factory.mktemp("mix")
+    for name, docs in (("a", 300), ("b", 120), ("c", 8)):
+        rnd = random.Random(name)
+        with open(root / f"{name}.jsonl", "w") as f:
+            for _ in range(docs):
+                f.write(json.dumps({"text": " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(5, 30))) + "."}) + "\n")
+    return root
+
+
+def mix(root, **weights) -> str:
+    return "data.mix=[" + ", ".join(f"{{path: {root / n}.jsonl, weight: {w}, name: {n}}}" for n, w in weights.items()) + "]"
+
+
+@pytest.fixture(scope="module")
+def args(tiny):
+    """M = 12 / 2 = 6 micro-batches a step: 1, 2 and 3 processes divide it."""
+    return [*tiny, "dist.reduce=canonical", "model.dropout=0.1", "train.global_batch=12", "train.micro_batch=2", "train.steps=10",
+            "checkpoint.interval=1", "checkpoint.keep=100", "log.sample_ids=true"]
+
+
+@pytest.mark.unit
+def test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share():
+    order = MixOrder(["a", "b"], [100, 7], [3.0, 1.0], seed=5, kind="randperm", global_batch=4)
+    picks = [order.source_of(i) for s in range(12) for i in order.step_samples(s)]
+    assert picks[:8] == [0, 0, 1, 0, 0, 0, 1, 0]  # a=0.75, b=0.25: the share a source is behind decides, a tie goes to a
+    for n in range(1, len(picks) + 1):  # after every sample each source is within one sample of its share
+        assert abs(picks[:n].count(1) - 0.25 * n) <= 1
+    # b (7 samples) is read whole in its epoch 0 order, then its epoch 1 order (seed + 1) follows
+    from data.sampler import epoch_order
+
+    b = [i - 100 for s in range(12) for i in order.step_samples(s) if i >= 100]
+    assert b[:7] == epoch_order(7, 5, 0).tolist() and b[7:] == epoch_order(7, 5, 1).tolist()[: len(b) - 7]
+    assert order.counts_at(12) == [picks.count(0), picks.count(1)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("entry, match", [
+    ("{path: x.jsonl, weight: 0, name: a}", r"data.mix\[0\].weight: expected a number > 0, got 0"),
+    ("{path: x.jsonl, weight: -1, name: a}", r"data.mix\[0\].weight: expected a number > 0, got -1"),
+    ("{path: x.jsonl, name: a}, {path: y.jsonl, name: a}", r"data.mix\[1\].name: 'a' names two sources"),
+    ("{path: x.jsonl, name: loss}", r"data.mix\[0\].name: 'loss' cannot name a source"),
+    ("{path: x.jsonl, name: a/b}", r"data.mix\[0\].name: 'a/b' cannot name a source"),
+    ("{path: x.jsonl, name: a, format: chat}", r"data.mix\[0\].format: 'chat'"),
+    ("{path: x.jsonl, name: a, size: 3}", r"data.mix\[0\]: unknown key 'size'"),
+])
+def test_a_bad_mix_exits_2_naming_the_key(tmp_path, entry, match):
+    code, err = launch.in_process(f"data.mix=[{entry}]", f"out_dir={tmp_path}")
+    assert code == 2 and "Traceback" not in err, err
+    import re
+
+    assert re.search(match, err), err
+
+
+@pytest.mark.e2e
+def test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one(tmp_path, args, sources):
+    """Every loss, every step's sample ids and the weights at every step equal the one-process run's;
+    c (about 25 samples at a quarter of each step) runs out and starts its next epochs on the way."""
+    the_mix = mix(sources, a=2, b=1, c=1)
+    one = tmp_path / "one"
+    launch.run(0, *args, the_mix, f"out_dir={one}")
+    out = tmp_path / "two-three"
+    launch.run(2, *args, the_mix, f"out_dir={out}", "train.halt_at=4")
+    launch.run(3, *args, the_mix, f"out_dir={out}")
+    launch.assert_identical(out, one)
+    for step in range(1, 11):
+        assert launch.sha_at(out, step) == launch.sha_at(one, step), step
+    fingerprint = launch.storage_manifest(out, 10)["data_fingerprint"]["mix"]
+    c = [i for m in launch.metrics(one) for i in m["sample_ids"] if i >= fingerprint["a"]["samples"] + fingerprint["b"]["samples"]]
+    assert len(c) > fingerprint["c"]["samples"]  # c was read past its first epoch
