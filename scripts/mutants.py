@@ -428,6 +428,16 @@ MUTANTS = (
     Mutant("mix-sharded-by-rank", "a mix's micro-batch i of a step is computed by rank i mod W, on any world size",
            "data/mix.py", "            i = j * w + self.rank\n", "            i = self.rank * self.plan.accum + j\n",
            ("tests/test_mix.py::test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one",)),
+    Mutant("mix-phase-forgotten", "a resume with the same weights continues the phase its checkpoint holds",
+           "data/mix.py", "            self.base_step, self.base = int(saved[\"base_step\"]), [int(saved[\"base\"][n]) for n in self.names]\n",
+           "            self.base_step, self.base = step, list(counts)\n",
+           ("tests/test_mix.py::test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_the_same_change_at_the_same_step",)),
+    Mutant("mix-counts-reset", "a new phase keeps the counts consumed so far",
+           "data/mix.py", "        self._steps, self.counts = {}, {step: counts}\n", "        self._steps, self.counts = {}, {step: [0] * len(counts)}\n",
+           ("tests/test_mix.py::test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_the_same_change_at_the_same_step",)),
+    Mutant("mix-removal-allowed", "removing a source on a resume is refused unless data.mix_drop names it",
+           "data/mix.py", "        refused = [n for n in gone if n not in drop]\n", "        refused = []\n",
+           ("tests/test_mix.py::test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it",)),
 )
 
 

@@ -86,3 +86,38 @@ def test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one(tm
     fingerprint = launch.storage_manifest(out, 10)["data_fingerprint"]["mix"]
     c = [i for m in launch.metrics(one) for i in m["sample_ids"] if i >= fingerprint["a"]["samples"] + fingerprint["b"]["samples"]]
     assert len(c) > fingerprint["c"]["samples"]  # c was read past its first epoch
+
+
+@pytest.mark.e2e
+def test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_the_same_change_at_the_same_step(tmp_path, args, sources):
+    """Phase 1 (a=2, b=1) for 4 steps, then phase 2 (a=1, b=2, c=4) from the counts reached: on 2,
+    then 3 processes (halted inside phase 2, so its start is read back from the checkpoint), then
+    1, equal to one process making the same change at step 4 in every loss, sample id and weight.
+    Sevenths do not divide a step's 12 samples, so a phase that restarted at step 7 would differ."""
+    first, second = mix(sources, a=2, b=1), mix(sources, a=1, b=2, c=4)
+    one = tmp_path / "one"
+    launch.run(0, *args, first, f"out_dir={one}", "train.halt_at=4")
+    said = launch.run(0, *args, second, f"out_dir={one}").stderr
+    assert "data.mix: a new phase from step 4: weights a=0.6667, b=0.3333 -> a=0.1429, b=0.2857, c=0.5714; counts kept: a=32, b=16, c=0" in said
+    out = tmp_path / "phases"
+    launch.run(2, *args, first, f"out_dir={out}", "train.halt_at=4")
+    launch.run(3, *args, second, f"out_dir={out}", "train.halt_at=7")
+    again = launch.run(0, *args, second, f"out_dir={out}").stderr
+    assert "new phase" not in again  # the same weights: phase 2 goes on
+    launch.assert_identical(out, one)
+    for step in range(1, 11):
+        assert launch.sha_at(out, step) == launch.sha_at(one, step), step
+    sizes = launch.storage_manifest(one, 10)["data_fingerprint"]["mix"]
+    from_c = [sum(i >= sizes["a"]["samples"] + sizes["b"]["samples"] for i in m["sample_ids"]) for m in launch.metrics(one)]
+    assert from_c[:4] == [0] * 4 and abs(sum(from_c[4:]) - 4 / 7 * 72) <= 1  # c joins at step 5 with 4/7 of what follows
+
+
+@pytest.mark.e2e
+def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(tmp_path, tiny, sources):
+    run = [*tiny, "train.global_batch=4", "train.micro_batch=2", "checkpoint.interval=1", f"out_dir={tmp_path}"]
+    assert launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=2")[0] == 0
+    code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3")
+    assert code == 2 and "data.mix: source 'b' was in the mix at step 2 and is not now" in err and "data.mix_drop" in err, err
+    code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3", "data.mix_drop=b")
+    assert code == 0 and "data.mix: a new phase from step 2" in err and "dropped b" in err, err
+    assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3]
