@@ -17,13 +17,22 @@ class NextToken:
     For an MoE model (`model`: the model itself, not a wrapper) each micro-batch's loss also holds
     its load-balancing loss, MiniMind's, computed on that micro-batch alone; `step_metrics` gives
     the step's mean auxiliary loss and each expert's share of the token slots, summed over every
-    rank's micro-batches in micro-batch order: the same bits on any world size (docs/models.md)."""
+    rank's micro-batches in micro-batch order: the same bits on any world size (docs/models.md).
+
+    For a mix (data/mix.py) `step_metrics` also gives each source's `loss/<name>`, the mean token
+    loss of the step's samples from it (each row's summed loss, float64, summed in micro-batch
+    order), and `tokens/<name>`, the tokens trained on from it since the run began: exact on any
+    world size too (docs/data.md)."""
 
     def __init__(self, dataset, micro_batches: int, chat: bool, model=None) -> None:
         self.dataset, self.micro_batches, self.chat = dataset, micro_batches, chat
         self.model = model if model is not None and model.moe_layers() else None
         self.taught: int | None = None
         self.stats: list[tuple[int, torch.Tensor]] = []
+        self.mix = dataset if hasattr(dataset, "source_of") else None
+        self.rows: list[tuple[int, list[float]]] = []
+        self.indices: list[int] = []
+        self.step = 0
 
     def start(self, *args) -> None:
         """Nothing beside the model (objectives/dpo.py's reads its reference here)."""
@@ -37,13 +46,17 @@ class NextToken:
     def begin_step(self, indices: list[int], step: int = 0) -> None:
         """The step's global sample indices (every rank's micro-batches)."""
         self.taught = self.dataset.taught(indices) if self.chat else None
-        self.stats = []
+        self.stats, self.rows, self.indices, self.step = [], [], indices, step
 
     def loss(self, net, batch, device, i: int = 0) -> torch.Tensor:
         """Micro-batch `i`'s loss (`i`: its index in the step, whatever rank computes it)."""
         x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
         if not self.chat:
-            loss = net(x, y)[1]
+            logits, loss = net(x, y)
+            if self.mix is not None:  # each row's summed token loss, for its source's figure
+                with torch.no_grad():
+                    rows = F.cross_entropy(logits.detach().float().flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1)
+                self.rows.append((i, rows.double().sum(1).tolist()))
         else:
             _, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
             loss = loss * self.micro_batches / self.taught
@@ -54,14 +67,28 @@ class NextToken:
         return loss
 
     def step_metrics(self, rt) -> dict:
-        """The step's figures besides its loss (a collective under MoE; nothing for a dense model)."""
+        """The step's figures besides its loss (a collective under MoE or a mix; nothing else for a dense model)."""
+        out = self.source_metrics(rt) if self.mix is not None else {}
         if self.model is None:
-            return {}
+            return out
         rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
         total = [0.0] * len(rows[0][1])
         for _, row in rows:  # in micro-batch order: the same sum whoever computed what
             total = [a + b for a, b in zip(total, row)]
-        return {"moe/aux_loss": total[0] / len(rows), "moe/load": [v / len(rows) for v in total[1:]]}
+        return {**out, "moe/aux_loss": total[0] / len(rows), "moe/load": [v / len(rows) for v in total[1:]]}
+
+    def source_metrics(self, rt) -> dict:
+        """loss/<name> and tokens/<name> of a mix's step: every rank's rows, summed per source in micro-batch order."""
+        rows = [row for _, part in sorted(pair for got in rt.all_gather(self.rows) for pair in got) for row in part]
+        names, sources = self.mix.names, self.mix.source_of(self.indices)
+        total, count = [0.0] * len(names), [0] * len(names)
+        for k, row in zip(sources, rows):  # position order = micro-batch order: the same sum whoever computed what
+            total[k] += row
+            count[k] += 1
+        seq_len = self.mix.seq_len
+        consumed = self.mix.order.counts_at(self.step + 1)
+        return {**{f"loss/{n}": total[k] / (count[k] * seq_len) for k, n in enumerate(names) if count[k]},
+                **{f"tokens/{n}": consumed[k] * seq_len for k, n in enumerate(names)}}
 
 
 @torch.no_grad()

@@ -438,6 +438,10 @@ MUTANTS = (
     Mutant("mix-removal-allowed", "removing a source on a resume is refused unless data.mix_drop names it",
            "data/mix.py", "        refused = [n for n in gone if n not in drop]\n", "        refused = []\n",
            ("tests/test_mix.py::test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it",)),
+    Mutant("source-loss-rank-order", "a mix's loss/<name> sums every rank's rows in micro-batch order, the same on any world size",
+           "objectives/next_token.py", "        rows = [row for _, part in sorted(pair for got in rt.all_gather(self.rows) for pair in got) for row in part]\n",
+           "        rows = [row for _, part in (pair for got in rt.all_gather(self.rows) for pair in got) for row in part]\n",
+           ("tests/test_mix.py::test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one",)),
 )
 
 
