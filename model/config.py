@@ -39,6 +39,41 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScaling:
+    """Rotary embeddings stretched to a longer context (MiniMind-3's `inference_rope_scaling`, Qwen3's
+    `rope_scaling`): YaRN scales each frequency by (1 - r) + r / factor, r a ramp from 0 at the
+    dimensions that turn more than beta_fast times in the original context to 1 at those that turn
+    fewer than beta_slow times, and multiplies cos and sin by attention_factor (docs/models.md)."""
+
+    type: str = "none"
+    """none (plain RoPE) | yarn."""
+    factor: float = 1.0
+    """How much longer the context is than original_max_position_embeddings (MiniMind: 16)."""
+    original_max_position_embeddings: int = 2048
+    """The context the model was trained at before the extension."""
+    beta_fast: float = 32.0
+    """Dimensions turning more than this many times in the original context keep their frequency."""
+    beta_slow: float = 1.0
+    """Dimensions turning fewer than this many times are divided by factor."""
+    attention_factor: float = 1.0
+    """cos and sin multiplied by it (MiniMind: 1.0; the YaRN paper: 0.1 ln(factor) + 1)."""
+
+    def __post_init__(self) -> None:
+        _need(self.type in ("none", "yarn"), f"model.rope_scaling.type: expected none or yarn (MiniMind-3's and Qwen3's "
+                                             f"YaRN), got {self.type!r}")
+        _need(self.factor >= 1, f"model.rope_scaling.factor: expected a number >= 1 (how much longer the context is), got {self.factor}")
+        _need(self.original_max_position_embeddings > 0, f"model.rope_scaling.original_max_position_embeddings: expected a "
+                                                         f"positive integer, got {self.original_max_position_embeddings}")
+        _need(self.beta_fast > 0 and self.beta_slow > 0 and self.attention_factor > 0,
+              f"model.rope_scaling: beta_fast ({self.beta_fast}), beta_slow ({self.beta_slow}) and attention_factor "
+              f"({self.attention_factor}) must be positive")
+
+    def act(self) -> dict | None:
+        """What changes the function: the YaRN parameters, or None for plain RoPE."""
+        return None if self.type == "none" else dataclasses.asdict(self)
+
+
+@dataclass
 class ModelConfig:
     """Shape of the MiniMind-style causal LM: MiniMind2's (Llama-shaped) by default; MiniMind-3's
     (Qwen3-shaped) with `qk_norm`, and its MoE with `moe.experts` > 0.
@@ -75,6 +110,7 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout on attention weights, attention output and MLP output."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     init_from: str = ""
     """Start a new run from these weights (fresh optimizer, LR schedule and data position): one of our checkpoint
     or run folders, our fp16 weights file, a MiniMind state dict (.pth: MiniMind2's or MiniMind-3's) or a Hugging
@@ -84,6 +120,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # a config read back from a manifest
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len", "multiple_of"):
             _need(getattr(self, key) > 0, f"model.{key} must be a positive integer, got {getattr(self, key)}")
         _need(self.head_dim >= 0, f"model.head_dim must be >= 0 (0: dim / n_heads), got {self.head_dim}")
@@ -113,7 +151,8 @@ class ModelConfig:
                 "head_size": self.head_size, "qk_norm": self.qk_norm, "vocab_size": self.vocab_size, "ffn_dim": self.ffn_dim,
                 "norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
                 "moe": {"experts": moe.experts, "top_k": moe.top_k, "norm_topk_prob": moe.norm_topk_prob,
-                        "expert_dim": self.expert_dim} if moe.experts else None}
+                        "expert_dim": self.expert_dim} if moe.experts else None,
+                **({"rope_scaling": self.rope_scaling.act()} if self.rope_scaling.act() else {})}  # absent: plain RoPE, as before the key
 
     @property
     def head_size(self) -> int:

@@ -13,6 +13,8 @@ lists both keys (one tensor), a Hugging Face folder only the embedding (`tie_wor
 """
 from __future__ import annotations
 
+import math
+
 import re
 
 import torch
@@ -198,9 +200,11 @@ def hf_differences(hf: dict, cfg: ModelConfig) -> list[str]:
     positions = hf.get("max_position_embeddings")
     if not isinstance(positions, int) or positions < cfg.seq_len:
         diffs.append(f"max_position_embeddings {positions!r} there, fewer than model.seq_len={cfg.seq_len} here")
-    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        diffs.append(f"rope scaling {scaling!r} there, none here (this model's RoPE is unscaled)")
+    scaling, ours = hf_rope_scaling(hf), cfg.rope_scaling.act()
+    if scaling != ours and not (scaling and ours and scaling.get("type") == "yarn" and all(float(scaling[k]) == float(ours[k]) for k in _YARN)):
+        raw = hf.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        diffs.append(f"rope scaling {raw!r} there, model.rope_scaling={ours or 'none'} here (YaRN is implemented, with every "
+                     f"parameter given: factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor)")
     if hf.get("tie_word_embeddings", False) is not True:
         diffs.append(f"tie_word_embeddings {hf.get('tie_word_embeddings', False)!r} there (transformers' default when absent: false), "
                      "tied here (this model's output head is its embedding)")
@@ -212,6 +216,27 @@ def hf_differences(hf: dict, cfg: ModelConfig) -> list[str]:
     if hf.get("use_sliding_window", False):
         diffs.append("use_sliding_window true there, full attention here")
     return diffs
+
+
+_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")
+
+
+def hf_rope_scaling(hf: dict) -> dict | None:
+    """The rope scaling a Hugging Face `config.json` asks for, as model.rope_scaling (type yarn and
+    its five parameters; a missing attention_factor is transformers' 0.1 ln(factor) + 1, missing
+    betas 32 and 1), None for plain RoPE, or the raw dict of a type we do not implement."""
+    rope = hf.get("rope_parameters") or {}
+    raw = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+    kind = (raw or {}).get("rope_type", (raw or {}).get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn" or not isinstance(raw.get("factor"), (int, float)) or "original_max_position_embeddings" not in raw:
+        return dict(raw)
+    factor = float(raw["factor"])
+    default_attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return {"type": "yarn", "factor": factor, "original_max_position_embeddings": int(raw["original_max_position_embeddings"]),
+            "beta_fast": float(raw.get("beta_fast") or 32.0), "beta_slow": float(raw.get("beta_slow") or 1.0),
+            "attention_factor": float(raw["attention_factor"] if raw.get("attention_factor") is not None else default_attention)}
 
 
 def hf_model_keys(hf: dict) -> dict:
@@ -229,6 +254,9 @@ def hf_model_keys(hf: dict) -> dict:
             "n_kv_heads": hf.get("num_key_value_heads", heads), "head_dim": 0 if head_dim * heads == hidden else head_dim,
             "qk_norm": model_type != "llama", "vocab_size": hf.get("vocab_size"), "hidden_dim": hf.get("intermediate_size"),
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    scaling = hf_rope_scaling(hf)
+    if scaling and scaling.get("type") == "yarn":
+        keys["rope_scaling"] = scaling
     if model_type == "qwen3_moe":
         keys["moe"] = {"experts": hf.get("num_experts"), "top_k": hf.get("num_experts_per_tok"),
                        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "hidden_dim": hf.get("moe_intermediate_size")}
@@ -241,6 +269,15 @@ def check_tensors(state: dict[str, torch.Tensor], source: str, names=lambda k: k
     bad += [f"{names(k)} (holds NaN or inf)" for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise WeightsError(f"{source}: tensors that cannot be weights of this model: {', '.join(bad)}")
+
+
+def hf_yarn(cfg: ModelConfig) -> dict:
+    """model.rope_scaling as transformers 5.x (`rope_parameters`) and 4.x (`rope_scaling`) read it ({}: plain RoPE)."""
+    scaling = cfg.rope_scaling.act()
+    if not scaling:
+        return {}
+    params = {"rope_type": "yarn", **{k: scaling[k] for k in _YARN}, "truncate": True}
+    return {"rope_scaling": params, "rope_parameters": {**params, "rope_theta": cfg.rope_theta}}
 
 
 def hf_config(cfg: ModelConfig, bos: int, eos: int, pad: int) -> dict:
@@ -263,6 +300,7 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int, pad: int) -> dict:
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **hf_yarn(cfg),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": True,

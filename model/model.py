@@ -33,11 +33,22 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) for the rotate-half formulation."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) for the rotate-half formulation; `scaling`
+    (model.rope_scaling's YaRN) stretches them with MiniMind-3's formulas (precompute_freqs_cis),
+    whatever seq_len (MiniMind applies them when its table, max_position_embeddings, is longer than
+    the original context, as it is at its 32768; transformers' Qwen3 always)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling:
+        orig, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+        inv_dim = lambda b: (head_dim * math.log(orig / (b * 2 * math.pi))) / (2 * math.log(theta))  # noqa: E731
+        low, high = max(math.floor(inv_dim(scaling["beta_fast"])), 0), min(math.ceil(inv_dim(scaling["beta_slow"])), head_dim // 2 - 1)
+        ramp = torch.clamp((torch.arange(head_dim // 2).float() - low) / max(high - low, 0.001), 0, 1)
+        inv = inv * (1 - ramp + ramp / factor)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
+    if scaling:
+        return emb.cos() * scaling["attention_factor"], emb.sin() * scaling["attention_factor"]
     return emb.cos(), emb.sin()
 
 
@@ -217,7 +228,7 @@ class MiniMindLM(nn.Module):
         # Tied embeddings, as MiniMind: one tensor under two state_dict keys.
         self.output.weight = self.tok_embeddings.weight
         self.loss_fn = lm_loss  # compiled by train.compile (runtime/speed.py)
-        cos, sin = rope_tables(cfg.head_size, cfg.seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_size, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling.act())
         # Derived from the config, so not part of the state_dict (and not of model_sha256).
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -442,6 +442,16 @@ MUTANTS = (
            "objectives/next_token.py", "        rows = [row for _, part in sorted(pair for got in rt.all_gather(self.rows) for pair in got) for row in part]\n",
            "        rows = [row for _, part in (pair for got in rt.all_gather(self.rows) for pair in got) for row in part]\n",
            ("tests/test_mix.py::test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one",)),
+    Mutant("yarn-ramp-multiplies", "YaRN divides the ramped frequencies by factor, MiniMind-3's and transformers' formula",
+           "model/model.py", "        inv = inv * (1 - ramp + ramp / factor)\n", "        inv = inv * (1 - ramp + ramp * factor)\n",
+           ("tests/test_rope_scaling.py::test_minimind_s_own_model_with_inference_rope_scaling_gives_our_logits_from_its_pth", *("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",))),
+    Mutant("yarn-attention-factor-dropped", "YaRN multiplies cos and sin by attention_factor",
+           "model/model.py", "        return emb.cos() * scaling[\"attention_factor\"], emb.sin() * scaling[\"attention_factor\"]\n",
+           "        return emb.cos(), emb.sin()\n", ("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",)),
+    Mutant("rope-scaling-not-exported", "a Hugging Face export carries model.rope_scaling",
+           "model/formats.py", "        **hf_yarn(cfg),\n", "", ("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",)),
+    Mutant("rope-scaling-not-compared", "model.init_from refuses a Hugging Face folder whose rope scaling is not model.rope_scaling",
+           "model/formats.py", "    scaling, ours = hf_rope_scaling(hf), cfg.rope_scaling.act()\n", "    scaling, ours = None, None\n", ("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",)),
 )
 
 
