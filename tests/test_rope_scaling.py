@@ -99,3 +99,25 @@ def test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and
     assert code == 0, err
     code, err = launch.in_process(*args, *QWEN, "train.steps=1", f"model.init_from={tmp_path / 'hf'}", f"out_dir={tmp_path / 'plain'}")
     assert code == 2 and "rope scaling" in err and "model.rope_scaling=none" in err, err
+
+
+@pytest.mark.e2e
+def test_the_long_context_recipe_continues_a_shorter_run_at_twice_its_length_with_yarn(tmp_path, tiny, cache_dir):
+    """configs/long_tiny.yaml at the test's size: a run at 32 tokens, then the recipe at 64 with
+    model.init_from naming it and YaRN over the original 32 positions. The corpus is packed again at
+    the new length (a second packed file beside the first), the weights are the first run's (its
+    first loss is below that of the same stage from the seeded init)."""
+    short = tmp_path / "short"
+    code, err = launch.in_process(*tiny, "train.steps=4", f"out_dir={short}")
+    assert code == 0, err
+    model = [o for o in tiny if o.startswith("model.") and not o.startswith("model.seq_len")]
+    rest = [o for o in tiny if not o.startswith("model.")]
+    stage = ["--config", "configs/long_tiny.yaml", *rest, *model, "model.seq_len=64", "model.rope_scaling.original_max_position_embeddings=32",
+             "train.global_batch=8", "train.micro_batch=4", "train.steps=2"]
+    launch.run(0, *stage, f"model.init_from={short}", f"out_dir={tmp_path / 'long'}")
+    launch.run(0, *stage, "model.init_from=", f"out_dir={tmp_path / 'fresh'}")
+    config = (tmp_path / "long" / "config.yaml").read_text()
+    assert config.startswith(f"# model.init_from: {short}") and "type: yarn" in config and "seq_len: 64" in config
+    assert launch.losses(tmp_path / "long")[0] < launch.losses(tmp_path / "fresh")[0]
+    packed = {json.loads(p.read_text())["seq_len"] for p in cache_dir.glob("*.json") if "seq_len" in json.loads(p.read_text())}
+    assert {32, 64} <= packed
