@@ -173,6 +173,8 @@ class DataConfig:
                 parse_mix(self.mix, self.format)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            if self.path != "stdlib":
+                raise ConfigError(f"data.path={self.path} with data.mix: give the corpus as one of data.mix's sources")
             for key, value in (("data.num_samples", self.num_samples), ("data.val_samples", self.val_samples)):
                 if value:
                     raise ConfigError(f"{key}={value} with data.mix: not supported (a mix reads each source whole; "

@@ -181,6 +181,12 @@ class MixDataset(Dataset):
         self.seq_len = self.parts[0].seq_len
         self.loaded: dict | None = None
 
+    def __getstate__(self) -> dict:
+        # A DataLoader worker reads samples only: the orders (8 bytes a sample under randperm) stay in the trainer.
+        order = MixOrder.__new__(MixOrder)
+        order.__dict__.update({**self.order.__dict__, "_orders": {}, "_steps": {}, "counts": {}})
+        return {**self.__dict__, "order": order}
+
     def __len__(self) -> int:
         return sum(len(d) for d in self.parts)
 

@@ -33,7 +33,7 @@ def mix(root, **weights) -> str:
 @pytest.fixture(scope="module")
 def args(tiny):
     """M = 12 / 2 = 6 micro-batches a step: 1, 2 and 3 processes divide it."""
-    return [*tiny, "dist.reduce=canonical", "model.dropout=0.1", "train.global_batch=12", "train.micro_batch=2", "train.steps=10",
+    return [*(o for o in tiny if not o.startswith("data.path=")), "dist.reduce=canonical", "model.dropout=0.1", "train.global_batch=12", "train.micro_batch=2", "train.steps=10",
             "checkpoint.interval=1", "checkpoint.keep=100", "log.sample_ids=true"]
 
 
@@ -68,6 +68,16 @@ def test_a_bad_mix_exits_2_naming_the_key(tmp_path, entry, match):
     import re
 
     assert re.search(match, err), err
+
+
+@pytest.mark.unit
+def test_a_mix_beside_data_path_or_under_another_objective_is_refused_naming_both():
+    from configs import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.path=y.jsonl with data.mix: give the corpus as one of data.mix's sources"):
+        load_config(None, ["data.mix=[{path: x.jsonl}]", "data.path=y.jsonl"])
+    with pytest.raises(ConfigError, match=r"data.mix with train.objective=distill"):
+        load_config(None, ["data.mix=[{path: x.jsonl}]", "train.objective=distill", "train.distill.teacher=t"])
 
 
 @pytest.mark.e2e
@@ -112,7 +122,7 @@ def test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_t
     out = tmp_path / "phases"
     launch.run(2, *args, first, f"out_dir={out}", "train.halt_at=4")
     launch.run(3, *args, second, f"out_dir={out}", "train.halt_at=7")
-    again = launch.run(0, *args, second, f"out_dir={out}").stderr
+    again = launch.run(0, *args, second, f"out_dir={out}", "data.num_workers=2").stderr  # workers read the samples, the trainer orders
     assert "new phase" not in again  # the same weights: phase 2 goes on
     launch.assert_identical(out, one)
     for step in range(1, 11):
@@ -124,7 +134,7 @@ def test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_t
 
 @pytest.mark.e2e
 def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(tmp_path, tiny, sources):
-    run = [*tiny, "train.global_batch=4", "train.micro_batch=2", "checkpoint.interval=1", f"out_dir={tmp_path}"]
+    run = [*(o for o in tiny if not o.startswith("data.path=")), "train.global_batch=4", "train.micro_batch=2", "checkpoint.interval=1", f"out_dir={tmp_path}"]
     assert launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=2")[0] == 0
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3")
     assert code == 2 and "data.mix: source 'b' was in the mix at step 2 and is not now" in err and "data.mix_drop" in err, err
