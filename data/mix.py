@@ -101,12 +101,18 @@ class MixOrder:
         errors = [w * (t + 1) - x for w, x in zip(self.weights, d)]
         return errors.index(max(errors))
 
-    def _sample(self, k: int, j: int) -> int:
-        epoch, p = divmod(j, self.sizes[k])
-        held = self._orders.get(k)
-        if held is None or held[0] != epoch:
-            held = self._orders[k] = (epoch, make_order(self.kind, self.sizes[k], self.seed, epoch))
-        return self.offsets[k] + held[1].take(p, 1)[0]
+    def _samples(self, k: int, first: int, end: int) -> list[int]:
+        """Source k's samples first..end-1 (of its stream over epochs), as global indices: one take per epoch."""
+        out = []
+        while first < end:
+            epoch, p = divmod(first, self.sizes[k])
+            held = self._orders.get(k)
+            if held is None or held[0] != epoch:
+                held = self._orders[k] = (epoch, make_order(self.kind, self.sizes[k], self.seed, epoch))
+            n = min(end - first, self.sizes[k] - p)
+            out += [self.offsets[k] + i for i in held[1].take(p, n)]
+            first += n
+        return out
 
     def counts_at(self, step: int) -> list[int]:
         """The samples consumed from each source after `step` optimizer steps."""
@@ -122,12 +128,15 @@ class MixOrder:
     def step_samples(self, step: int) -> list[int]:
         """The global batch of optimizer step `step` (0-based): G indices into the concatenated sources."""
         if step not in self._steps:
-            counts = list(self.counts_at(step))
-            out = []
+            start = self.counts_at(step)
+            counts, picks = list(start), []
             for _ in range(self.g):
                 k = self._next(counts)
-                out.append(self._sample(k, counts[k]))
+                picks.append(k)
                 counts[k] += 1
+            # Each source's samples of the step are consecutive in its stream: read them at once, then interleave.
+            taken = {k: iter(self._samples(k, start[k], counts[k])) for k in set(picks)}
+            out = [next(taken[k]) for k in picks]
             self.counts[step + 1] = counts
             self.counts = {s: c for s, c in self.counts.items() if s > step - 64}  # the loop saves at most a few steps behind
             self._steps = {step: out, **{s: v for s, v in self._steps.items() if s > step - 4}}

@@ -1446,7 +1446,7 @@ SECTIONS = ("checkpoint", "throughput", "loop", "peer", "compile", "models", "lo
 
 
 def mix_rows(work: Path, steps: int, repeats: int) -> list[dict]:
-    """data.mix (data/mix.py): tiny.yaml's step with a two-source mix of the built-in corpus (the
+    """data.mix (data/mix.py): a small model's step (tiny.yaml at dim 64, 2 layers, 64 tokens) with a two-source mix of the built-in corpus (the
     same file under two names, weights 1:1, so only the loader and the per-source figures differ)
     against the same run on the corpus alone, median step time after 5 warm-up steps, runs
     alternated; a 3-source mix's first global batch after a resume at 90% of each source's epoch
@@ -1456,7 +1456,8 @@ def mix_rows(work: Path, steps: int, repeats: int) -> list[dict]:
 
     from data.mix import MixOrder
 
-    base = ["train.steps=" + str(steps), "checkpoint.interval=0", "train.global_batch=32", "train.micro_batch=8", "runtime.threads=2"]
+    base = ["train.steps=" + str(steps), "checkpoint.interval=0", "train.global_batch=32", "train.micro_batch=8", "runtime.threads=1",
+            "model.dim=64", "model.n_layers=2", "model.seq_len=64"]
     mixed = "data.mix=[{path: stdlib, weight: 1, name: a}, {path: stdlib, weight: 1, name: b}]"
     times: dict[str, list[float]] = {"mix": [], "single": []}
     for _ in range(repeats):
@@ -1482,18 +1483,18 @@ def mix_rows(work: Path, steps: int, repeats: int) -> list[dict]:
         held = sum(o.perm.nbytes for _, o in order._orders.values() if hasattr(o, "perm"))  # torch's memory is not traced
         return seconds, max(peak, held)
 
-    got = {(kind, at): [first_batch(kind, at) for _ in range(5)] for kind in ("randperm", "bijective") for at in (0.0, 0.9)}
+    got = {(kind, at): [first_batch(kind, at) for _ in range(repeats)] for kind in ("randperm", "bijective") for at in (0.0, 0.9)}
     t = {k: statistics.median(r[0] for r in v) for k, v in got.items()}
     m = {k: max(r[1] for r in v) for k, v in got.items()}
     return [
-        {"row": "data.mix, 2 sources, tiny.yaml, 1 process", "what": "mixed loader / single-source loader, step time", "value": tm / ts,
+        {"row": "data.mix, 2 sources, tiny.yaml at dim 64, 2 layers, 64 tokens, 1 process", "what": "mixed loader / single-source loader, step time", "value": tm / ts,
          "aim": "mixed loader / single-source loader, step time",
          "detail": f"{tm * 1e3:.1f} ms / {ts * 1e3:.1f} ms a step (median after 5 warm-up steps of {steps}, median of {repeats} "
                    f"alternated runs each; the mix adds each row's loss for loss/<name>)"},
         *({"row": f"data.mix, 3 sources of 10M samples, {kind}", "what": f"mix resume at 90% / at 0%, {kind}",
            "value": t[(kind, 0.9)] / t[(kind, 0.0)], "aim": "mix resume at 90% / at 0%",
            "detail": f"{t[(kind, 0.9)] * 1e3:.1f} ms / {t[(kind, 0.0)] * 1e3:.1f} ms to the first global batch of {g} "
-                     f"(counts from the state, no replay); median of 5"} for kind in ("randperm", "bijective")),
+                     f"(counts from the state, no replay); median of {repeats}"} for kind in ("randperm", "bijective")),
         {"row": "data.mix, 3 sources of 10M samples, bijective", "what": "mix order memory, MiB", "value": m[("bijective", 0.9)] / 2**20,
          "aim": "mix order memory, MiB",
          "detail": f"{m[('bijective', 0.9)] / 1024:.1f} KiB at most while resuming at 90% and making a batch (tracemalloc) / randperm: "

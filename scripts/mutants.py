@@ -423,7 +423,7 @@ MUTANTS = (
            "data/mix.py", "        return errors.index(max(errors))\n", "        return errors.index(min(errors))\n",
            ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),
     Mutant("mix-source-one-epoch", "a mix's source that runs out reads its next epoch's order (seed + epoch)",
-           "data/mix.py", "        epoch, p = divmod(j, self.sizes[k])\n", "        epoch, p = 0, j % self.sizes[k]\n",
+           "data/mix.py", "            epoch, p = divmod(first, self.sizes[k])\n", "            epoch, p = 0, first % self.sizes[k]\n",
            ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),
     Mutant("mix-sharded-by-rank", "a mix's micro-batch i of a step is computed by rank i mod W, on any world size",
            "data/mix.py", "            i = j * w + self.rank\n", "            i = self.rank * self.plan.accum + j\n",
