@@ -34,7 +34,7 @@ from data.loader import make_sampler, step_batches
 from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
-from objectives import NextToken, evaluate, lr_at, make_objective, make_optimizer, make_plan
+from objectives import NextToken, lr_at, make_objective, make_optimizer, make_plan, validation
 from objectives.benchmark import TaskScores
 from run import folder, tracking
 from run.metrics import Metrics, truncate
@@ -275,8 +275,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
                   **run.objective.step_metrics(rt)}
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             if run.val_dataset is not None:
-                record["val_loss"] = evaluate(run.model, run.val_dataset, cfg.train.micro_batch, cfg.eval.samples, rt,
-                                              runtime.autocast(rt.device, cfg.train.dtype), run.sharded)
+                record.update(validation(run.model, run.val_dataset, cfg.train.micro_batch, cfg.eval.samples, rt,
+                                         runtime.autocast(rt.device, cfg.train.dtype), run.sharded))
             record.update(run.tasks(run.model, rt, runtime.autocast(rt.device, cfg.train.dtype), run.sharded))  # docs/eval.md
         if cfg.log.sample_ids:
             record["sample_ids"] = indices

@@ -175,10 +175,9 @@ class DataConfig:
                 raise ConfigError(str(e)) from None
             if self.path != "stdlib":
                 raise ConfigError(f"data.path={self.path} with data.mix: give the corpus as one of data.mix's sources")
-            for key, value in (("data.num_samples", self.num_samples), ("data.val_samples", self.val_samples)):
-                if value:
-                    raise ConfigError(f"{key}={value} with data.mix: not supported (a mix reads each source whole; "
-                                      f"validate on data.val_path)")
+            if self.num_samples:
+                raise ConfigError(f"data.num_samples={self.num_samples} with data.mix: not supported (a mix reads each source "
+                                  f"whole; data.val_samples holds out the tail of each)")
 
 
 @dataclass

@@ -160,8 +160,8 @@ class MixOrder:
                             f"source changes what the run has promised to read; name it in data.mix_drop to drop it (a new phase)")
         for n in self.names:
             if n in saved_identities and saved_identities[n] != identities[n]:
-                raise DataError(f"data.mix: source {n!r}'s corpus changed since the checkpoint (sha256 {saved_identities[n][:12]} -> "
-                                f"{identities[n][:12]}): give the changed corpus another name")
+                raise DataError(f"data.mix: source {n!r} changed since the checkpoint ({saved_identities[n]} -> {identities[n]}): "
+                                f"its order would not continue; give a changed corpus another name")
         step, counts = int(saved["step"]), [int(saved["counts"].get(n, 0)) for n in self.names]
         same = not gone and set(saved["counts"]) == set(self.names) and all(
             abs(saved["weights"][n] - w) == 0 for n, w in zip(self.names, self.weights))
@@ -217,6 +217,22 @@ class MixDataset(Dataset):
         if int(saved["step"]) != step:
             raise DataError(f"data.mix: the checkpoint's mix position is of step {saved['step']}, its step is {step}")
         return self.order.resume(saved, self.drop, self.identities, saved.get("identities", {}))
+
+
+class MixValidation(Dataset):
+    """Each source's held-out tail (data.val_samples of each), end to end in the sources' sorted order; `named_parts` for
+    the per-source figures (objectives/next_token.py validation)."""
+
+    def __init__(self, parts: list[tuple[str, Dataset]]) -> None:
+        self.named_parts = parts
+        self.offsets = [sum(len(d) for _, d in parts[:k]) for k in range(len(parts))]
+
+    def __len__(self) -> int:
+        return sum(len(d) for _, d in self.named_parts)
+
+    def __getitem__(self, index: int):
+        k = bisect.bisect_right(self.offsets, index) - 1
+        return self.named_parts[k][1][index - self.offsets[k]]
 
 
 class MixPosition:

@@ -11,7 +11,7 @@ from runtime.board import hand_off
 
 from .chat import ChatOptions
 from .dataset import ChatDataset, PackedDataset, PreferenceDataset, PromptDataset
-from .mix import MixDataset, dropped, parse_mix
+from .mix import MixDataset, MixValidation, dropped, parse_mix
 from .prepare import pack, resolve_source
 from .sources import DataError
 
@@ -95,10 +95,18 @@ def _mix_of_run(cfg, seq_len: int, seed: int, mine: dict) -> tuple[MixDataset, P
     packed = mine["mix"]
     metas = [p["meta"] for p in packed.values()]
     dtype = metas[0]["dtype"]
-    parts = [(name, PackedDataset(Path(p["bin"]), seq_len, dtype=dtype)) for name, p in sorted(packed.items())]
-    identities = {name: p["meta"]["source_sha256"] for name, p in packed.items()}
+    held, parts, tails = cfg.val_samples, [], []
+    for name, p in sorted(packed.items()):  # data.val_samples: the last N samples of each source, never in a training batch
+        n = len(PackedDataset(Path(p["bin"]), seq_len, dtype=dtype))
+        if held >= n:
+            raise DataError(f"data.val_samples={held}: data.mix's source {name!r} has only {n} samples of {seq_len + 1} tokens")
+        parts.append((name, PackedDataset(Path(p["bin"]), seq_len, n - held, dtype=dtype)))
+        if held:
+            tails.append((name, PackedDataset(Path(p["bin"]), seq_len, n, start=n - held, dtype=dtype)))
+    # What a resume keeps of each source: its corpus and its training samples (data.val_samples takes from them).
+    identities = {name: f"sha256 {packed[name]['meta']['source_sha256'][:16]}, {len(d)} samples" for name, d in parts}
     mix = MixDataset(parts, [packed[n]["weight"] for n, _ in parts], identities, seed, cfg.order, dropped(cfg.mix_drop))
-    val = PackedDataset(Path(mine["val_bin"]), seq_len, dtype=dtype) if cfg.val_path else None
+    val = PackedDataset(Path(mine["val_bin"]), seq_len, dtype=dtype) if cfg.val_path else MixValidation(tails) if tails else None
     shared = {k: v for k, v in metas[0].items() if k not in _OWN and all(m.get(k) == v for m in metas)}
     fingerprint = {**{k: v for k, v in shared.items() if k in ("format", "tokenizer", "tokenizer_source", "tokenizer_sha256",
                                                                "vocab_size", "dtype", "seq_len", "options")},

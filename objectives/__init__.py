@@ -10,7 +10,7 @@ from data import BatchPlan
 from .distill import Distill, DistillConfig
 from .dpo import DPO, DPOConfig
 from .grpo import GRPO, GRPOConfig
-from .next_token import NextToken, evaluate
+from .next_token import NextToken, evaluate, validation
 from .optim import lr_at, make_optimizer
 
 
@@ -35,5 +35,5 @@ def make_objective(cfg, dataset, micro_batches: int, model, tok, rt):
     return NextToken(dataset, micro_batches, cfg.data.format == "chat", model)
 
 
-__all__ = ["DPO", "DPOConfig", "Distill", "DistillConfig", "GRPO", "GRPOConfig", "NextToken", "evaluate", "lr_at", "make_objective", "make_optimizer",
+__all__ = ["DPO", "DPOConfig", "Distill", "DistillConfig", "GRPO", "GRPOConfig", "NextToken", "evaluate", "lr_at", "validation", "make_objective", "make_optimizer",
            "make_plan"]

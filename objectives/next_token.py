@@ -132,3 +132,18 @@ def evaluate(model, val, micro: int, samples: int, rt, autocast, sharded: bool) 
     for loss in per_sample:  # in sample order: the sum does not depend on who computed what
         total += loss
     return total / len(per_sample)
+
+
+def validation(model, val, micro: int, samples: int, rt, autocast, sharded: bool) -> dict:
+    """The figures of a validation: `val_loss` (evaluate's); for a mix's held-out tails
+    (data/mix.py MixValidation) also each source's `val_loss/<name>`, over the first `samples` of
+    each, and `val_loss` their mean weighted by the samples each evaluated (docs/data.md)."""
+    parts = getattr(val, "named_parts", None)
+    if not parts:
+        return {"val_loss": evaluate(model, val, micro, samples, rt, autocast, sharded)}
+    out, total, count = {}, 0.0, 0
+    for name, part in parts:  # in the sources' sorted order: the same sum on any world size
+        out[f"val_loss/{name}"] = evaluate(model, part, micro, samples, rt, autocast, sharded)
+        n = min(samples or len(part), len(part))
+        total, count = total + out[f"val_loss/{name}"] * n, count + n
+    return {"val_loss": total / count, **out}

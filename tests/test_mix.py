@@ -141,3 +141,28 @@ def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(t
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3", "data.mix_drop=b")
     assert code == 0 and "data.mix: a new phase from step 2" in err and "dropped b" in err, err
     assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.e2e
+def test_validation_holds_out_each_sources_tail_and_logs_each_sources_loss_the_same_on_any_world_size(tmp_path, args, sources,
+                                                                                                     cache_dir):
+    """data.val_samples=5 with a mix: the last 5 samples of each source, never in a training batch;
+    val_loss/<name> per source and val_loss their weighted mean, the same bits on 2 processes as on
+    one. A resume with another data.val_samples (each source's training samples change) is refused."""
+    the_mix, extra = mix(sources, a=2, b=1, c=1), ["data.val_samples=5", "eval.interval=3", "train.steps=6"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch.run(0, *args, the_mix, *extra, f"out_dir={one}")
+    launch.run(2, *args, the_mix, *extra, f"out_dir={two}")
+    figures = lambda run: [{k: v for k, v in m.items() if k.startswith("val_loss")} for m in launch.metrics(run)]  # noqa: E731
+    assert figures(one) == figures(two)
+    evaluated = [f for f in figures(one) if f]
+    assert len(evaluated) == 2 and all(set(f) == {"val_loss", "val_loss/a", "val_loss/b", "val_loss/c"} for f in evaluated)
+    assert all(f["val_loss"] == (f["val_loss/a"] * 5 + f["val_loss/b"] * 5 + f["val_loss/c"] * 5) / 15 for f in evaluated)
+    from data.prepare import pack, resolve_source
+
+    sizes = launch.storage_manifest(one, 6)["data_fingerprint"]["mix"]
+    for name in "abc":  # each source trains on all but its last 5 samples (the ids index those training samples only)
+        packed = pack(resolve_source(str(sources / f"{name}.jsonl"), cache_dir), 32, cache_dir)[1]["num_samples"]
+        assert sizes[name]["samples"] == packed - 5
+    code, err = launch.in_process(*args, the_mix, "data.val_samples=4", "eval.interval=3", "train.steps=8", f"out_dir={one}")
+    assert code == 2 and "data.mix: source 'a' changed since the checkpoint" in err and "samples" in err, err
