@@ -139,7 +139,8 @@ class MixOrder:
             out = [next(taken[k]) for k in picks]
             self.counts[step + 1] = counts
             self.counts = {s: c for s, c in self.counts.items() if s > step - 64}  # the loop saves at most a few steps behind
-            self._steps = {step: out, **{s: v for s, v in self._steps.items() if s > step - 4}}
+            # Kept as far back as the counts: the loop asks for a step the loader may have passed (workers prefetch).
+            self._steps = {step: out, **{s: v for s, v in self._steps.items() if s > step - 64}}
         return self._steps[step]
 
     def source_of(self, index: int) -> int:
