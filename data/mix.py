@@ -68,8 +68,9 @@ def parse_mix(entries: list, fmt: str = "text") -> list[Source]:
         if name in out:
             raise ValueError(f"{key}.name: {name!r} names two sources (each source needs its own name)")
         form = e.get("format", fmt)
-        if form != "text" or fmt != "text":
-            raise ValueError(f"{key}.format: {form!r} with data.format={fmt}: a mix reads text sources only (data.format=text)")
+        if form != fmt or fmt not in ("text", "chat"):
+            raise ValueError(f"{key}.format: {form!r} with data.format={fmt}: a mix's sources are all text (data.format=text) "
+                             f"or all chat (data.format=chat)")
         out[name] = Source(name, str(e["path"]), float(weight), form)
     if not out:
         raise ValueError("data.mix: an empty list (leave it out to read data.path)")
@@ -206,6 +207,10 @@ class MixDataset(Dataset):
 
     def source_of(self, indices: list[int]) -> list[int]:
         return [self.order.source_of(i) for i in indices]
+
+    def taught(self, indices: list[int]) -> int:
+        """Chat sources: the taught tokens of those rows, from each source's counts (data/dataset.py ChatDataset)."""
+        return sum(self.parts[k].taught([i - self.order.offsets[k]]) for k, i in zip(self.source_of(indices), indices))
 
     def states(self, train_state) -> dict:
         return {"mix": MixPosition(self, train_state)}

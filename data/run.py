@@ -96,17 +96,18 @@ def _mix_of_run(cfg, seq_len: int, seed: int, mine: dict) -> tuple[MixDataset, P
     metas = [p["meta"] for p in packed.values()]
     dtype = metas[0]["dtype"]
     held, parts, tails = cfg.val_samples, [], []
+    kind = ChatDataset if cfg.format == "chat" else PackedDataset  # every source's rows: text or chat
     for name, p in sorted(packed.items()):  # data.val_samples: the last N samples of each source, never in a training batch
-        n = len(PackedDataset(Path(p["bin"]), seq_len, dtype=dtype))
+        n = len(kind(Path(p["bin"]), seq_len, dtype=dtype))
         if held >= n:
             raise DataError(f"data.val_samples={held}: data.mix's source {name!r} has only {n} samples of {seq_len + 1} tokens")
-        parts.append((name, PackedDataset(Path(p["bin"]), seq_len, n - held, dtype=dtype)))
+        parts.append((name, kind(Path(p["bin"]), seq_len, n - held, dtype=dtype)))
         if held:
-            tails.append((name, PackedDataset(Path(p["bin"]), seq_len, n, start=n - held, dtype=dtype)))
+            tails.append((name, kind(Path(p["bin"]), seq_len, n, start=n - held, dtype=dtype)))
     # What a resume keeps of each source: its corpus and its training samples (data.val_samples takes from them).
     identities = {name: f"sha256 {packed[name]['meta']['source_sha256'][:16]}, {len(d)} samples" for name, d in parts}
     mix = MixDataset(parts, [packed[n]["weight"] for n, _ in parts], identities, seed, cfg.order, dropped(cfg.mix_drop))
-    val = PackedDataset(Path(mine["val_bin"]), seq_len, dtype=dtype) if cfg.val_path else MixValidation(tails) if tails else None
+    val = kind(Path(mine["val_bin"]), seq_len, dtype=dtype) if cfg.val_path else MixValidation(tails) if tails else None
     shared = {k: v for k, v in metas[0].items() if k not in _OWN and all(m.get(k) == v for m in metas)}
     fingerprint = {**{k: v for k, v in shared.items() if k in ("format", "tokenizer", "tokenizer_source", "tokenizer_sha256",
                                                                "vocab_size", "dtype", "seq_len", "options")},

@@ -20,9 +20,9 @@ class NextToken:
     rank's micro-batches in micro-batch order: the same bits on any world size (docs/models.md).
 
     For a mix (data/mix.py) `step_metrics` also gives each source's `loss/<name>`, the mean token
-    loss of the step's samples from it (each row's summed loss, float64, summed in micro-batch
-    order), and `tokens/<name>`, the tokens trained on from it since the run began: exact on any
-    world size too (docs/data.md)."""
+    loss of the step's samples from it (each row's summed loss over its taught tokens, float64,
+    summed in micro-batch order), and `tokens/<name>`, the row positions trained on from it since
+    the run began: exact on any world size too (docs/data.md)."""
 
     def __init__(self, dataset, micro_batches: int, chat: bool, model=None) -> None:
         self.dataset, self.micro_batches, self.chat = dataset, micro_batches, chat
@@ -53,13 +53,13 @@ class NextToken:
         x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
         if not self.chat:
             logits, loss = net(x, y)
-            if self.mix is not None:  # each row's summed token loss, for its source's figure
-                with torch.no_grad():
-                    rows = F.cross_entropy(logits.detach().float().flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1)
-                self.rows.append((i, rows.double().sum(1).tolist()))
         else:
-            _, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
+            logits, loss = net(x, y, positions=batch[2].to(device, non_blocking=True), reduction="sum")
             loss = loss * self.micro_batches / self.taught
+        if self.mix is not None:  # each row's summed token loss and its taught tokens, for its source's figure
+            with torch.no_grad():
+                rows = F.cross_entropy(logits.detach().float().flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1)
+            self.rows.append((i, list(zip(rows.double().sum(1).tolist(), (y != -100).sum(1).tolist()))))
         if self.model is not None:
             aux = self.model.aux_loss()
             self.stats.append((i, torch.cat([aux.detach().reshape(1), self.model.expert_load()]).float().cpu()))
@@ -82,12 +82,12 @@ class NextToken:
         rows = [row for _, part in sorted(pair for got in rt.all_gather(self.rows) for pair in got) for row in part]
         names, sources = self.mix.names, self.mix.source_of(self.indices)
         total, count = [0.0] * len(names), [0] * len(names)
-        for k, row in zip(sources, rows):  # position order = micro-batch order: the same sum whoever computed what
+        for k, (row, tokens) in zip(sources, rows):  # position order = micro-batch order: the same sum whoever computed what
             total[k] += row
-            count[k] += 1
+            count[k] += tokens
         seq_len = self.mix.seq_len
         consumed = self.mix.order.counts_at(self.step + 1)
-        return {**{f"loss/{n}": total[k] / (count[k] * seq_len) for k, n in enumerate(names) if count[k]},
+        return {**{f"loss/{n}": total[k] / count[k] for k, n in enumerate(names) if count[k]},
                 **{f"tokens/{n}": consumed[k] * seq_len for k, n in enumerate(names)}}
 
 
