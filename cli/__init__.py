@@ -72,7 +72,7 @@ def inspect_checkpoint(path: Path, manifest: dict) -> dict:
         "optimizer_state_bytes": format.tensor_bytes(metadata, "optimizer.state."),
         "ranks_with_rng_state": len({k.split(".")[1] for k in keys if k.startswith("rng.")}),
         "data_fingerprint": {k: (manifest.get("data_fingerprint") or {}).get(k) for k in (
-            "source", "source_sha256", "tokenizer", "tokenizer_source", "vocab_size", "dtype", "seq_len", "num_samples")},
+            "source", "source_sha256", "tokenizer", "tokenizer_source", "vocab_size", "dtype", "seq_len", "num_samples", "mix")},
         "files": {name: entry["bytes"] for name, entry in manifest["files"].items()},
     }
 

@@ -103,7 +103,8 @@ def test_a_mix_halted_on_two_processes_and_resumed_on_three_is_the_run_on_one(tm
         assert sum(taken.values()) == 12
         # float64 sums of rows against the step's float32 loss: 5.2e-7 apart at most measured, 10x allowed
         assert abs(sum(taken[n] * m[f"loss/{n}"] for n in "abc") / 12 - m["loss"]) < 5e-6
-    fingerprint = launch.storage_manifest(out, 10)["data_fingerprint"]["mix"]
+    fingerprint = launch.inspect(out)["data_fingerprint"]["mix"]  # `python -m checkpoint inspect` names each source
+    assert set(fingerprint) == {"a", "b", "c"} and all(len(v["source_sha256"]) == 64 for v in fingerprint.values())
     c = [i for m in launch.metrics(one) for i in m["sample_ids"] if i >= fingerprint["a"]["samples"] + fingerprint["b"]["samples"]]
     assert len(c) > fingerprint["c"]["samples"]  # c was read past its first epoch
 
