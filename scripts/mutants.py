@@ -38,6 +38,8 @@ class Mutant:
 
 EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_and_ends_bit_identical_to_the_run_without_weights_losses_"
                   "and_generators")
+FAMILY_REFEREE = "tests/test_grpo_family.py::test_each_loss_equals_trls_compute_loss_on_a_fixed_batch"
+FAMILY_CHAIN = "tests/test_grpo_family.py::test_a_variant_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
@@ -419,6 +421,24 @@ MUTANTS = (
     Mutant("context-unchecked", "max_tokens past the model's context is a 400 naming max_tokens, and the server goes on",
            "cli/serve.py", "    if req.max_tokens is not None and len(ids) + req.max_tokens > seq_len:\n", "    if False:\n",
            ("tests/test_serve.py::test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_server_keeps_serving[body10-max_tokens]",)),
+    Mutant("grpo-tokens-normalized-locally", "dapo/bnpo/TRL's cispo divide by the global batch's completion tokens, not a micro-batch's (issue 45)",
+           "objectives/grpo.py", "return (per_token * m).sum() * micro_batches / denominator", "return (per_token * m).sum() / m.sum().clamp(min=1)",
+           (FAMILY_REFEREE + "[dapo-token-group]",)),
+    Mutant("grpo-batch-std-local", "scale_rewards=batch divides by the std of every rank's rewards (issue 45)",
+           "objectives/grpo.py", "        if rescale and self.cfg.scale_rewards == \"batch\":", "        if False:",
+           ("tests/test_grpo_family.py::test_batch_scaled_advantages_and_the_token_denominator_are_the_global_batchs",)),
+    Mutant("grpo-denominator-not-restored", "a resume inside a rollout's updates divides by the same global token count (issue 45)",
+           "objectives/grpo.py", "            self.grpo._globals(self.grpo.buffer, rescale=False)", "            pass",
+           (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
+    Mutant("grpo-truncated-not-masked", "train.grpo.mask_truncated: a completion without an EOS takes no part in the loss (issue 45)",
+           "objectives/grpo.py", "= not (self.cfg.mask_truncated and eos not in c)", "= True",
+           (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
+    Mutant("gspo-ratio-per-token", "importance_sampling=sequence: the ratio of a sequence is exp of its mean log-ratio (GSPO, issue 45)",
+           "objectives/grpo.py", "    if cfg.importance_sampling == \"sequence\":\n        m = mask.float()", "    if False:\n        m = mask.float()",
+           (FAMILY_REFEREE + "[grpo-sequence-group]",)),
+    Mutant("sapo-temperatures-swapped", "SAPO's temperature is sapo_tau_pos for positive advantages, sapo_tau_neg else (issue 45)",
+           "objectives/grpo.py", "torch.where(a > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)", "torch.where(a > 0, cfg.sapo_tau_neg, cfg.sapo_tau_pos)",
+           (FAMILY_REFEREE + "[sapo-token-none]",)),
 )
 
 
