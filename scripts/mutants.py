@@ -40,6 +40,7 @@ EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_a
                   "and_generators")
 FAMILY_REFEREE = "tests/test_grpo_family.py::test_each_loss_equals_trls_compute_loss_on_a_fixed_batch"
 FAMILY_CHAIN = "tests/test_grpo_family.py::test_a_variant_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
+PPO_REFEREE = "tests/test_ppo.py::test_gae_whitening_policy_kl_value_and_approx_kl_equal_minimind_train_ppo_on_one_batch"
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
@@ -439,6 +440,12 @@ MUTANTS = (
     Mutant("sapo-temperatures-swapped", "SAPO's temperature is sapo_tau_pos for positive advantages, sapo_tau_neg else (issue 45)",
            "objectives/grpo.py", "torch.where(a > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)", "torch.where(a > 0, cfg.sapo_tau_neg, cfg.sapo_tau_pos)",
            (FAMILY_REFEREE + "[sapo-token-none]",)),
+    Mutant("ppo-gae-without-lambda", "PPO's advantages are GAE's, lambda-weighted, as MiniMind's train_ppo.py (issue 45)",
+           "objectives/ppo.py", "last = delta + gamma * lam * last", "last = delta + gamma * last",
+           (PPO_REFEREE,)),
+    Mutant("ppo-value-unclipped", "PPO's value loss is clipped around the rollout's values, as MiniMind's (issue 45)",
+           "objectives/ppo.py", "torch.max((values - returns) ** 2, (clipped - returns) ** 2)", "(values - returns) ** 2",
+           (PPO_REFEREE,)),
 )
 
 
