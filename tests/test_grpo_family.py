@@ -104,6 +104,9 @@ VARIANTS = {
     "dapo-batch-truncated": ["train.grpo.loss=dapo", "train.grpo.scale_rewards=batch", "train.grpo.std=sample",
                              "train.grpo.mask_truncated=true"],
     "gspo-sapo-unscaled": ["train.grpo.loss=sapo", "train.grpo.importance_sampling=sequence", "train.grpo.scale_rewards=none"],
+    "dr_grpo-sample-std": ["train.grpo.loss=dr_grpo", "train.grpo.std=sample"],
+    "bnpo-unscaled": ["train.grpo.loss=bnpo", "train.grpo.scale_rewards=none"],
+    "trl-cispo": ["train.grpo.loss=cispo", "train.grpo.normalize=tokens", "train.grpo.eps_high=1.1"],
 }
 
 
