@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_grpo import task  # noqa: F401  (the prompts and rewards fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT.parent / "shared" / "minimind" / "upstream" / "trainer" / "train_ppo.py"
 needs_upstream = pytest.mark.skipif(not UPSTREAM.is_file(), reason=f"MiniMind's code is not at {UPSTREAM} (the shared inputs)")
@@ -121,3 +123,62 @@ def test_gamma_or_lam_outside_0_1_is_named(key, value):
 
     with pytest.raises(ValueError, match=rf"train\.ppo\.{key} must be in \[0, 1\], got {value}"):
         PPOConfig(**{key: value})
+
+
+def ppo_args(task, cache: Path, out: Path) -> list[str]:
+    from test_grpo import base
+
+    args = [a for a in base(task, cache) if not a.startswith(("train.objective=", "train.grpo.updates_per_rollout=", "train.grpo.loss="))]
+    # 6 prompts x 2 completions a step, one prompt a micro-batch; two updates a rollout; an early stop low
+    # enough to be reached: rollouts at steps 1, 3, 5
+    return [*args, "train.objective=ppo", "train.ppo.updates_per_rollout=2", "train.ppo.critic_lr=3e-3", "train.ppo.early_stop_kl=0.008",
+            f"out_dir={out}"]
+
+
+def critic_sha(out: Path) -> str:
+    """The sha256 of the newest checkpoint's critic tensors (its state under "critic"), name by name."""
+    import hashlib
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    newest = sorted((p for p in (out / "checkpoints").iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[-1]
+    flat = out / "flat.pt"
+    dcp_to_torch_save(next(d for d in [newest, *newest.iterdir()] if (d / ".metadata").exists()), flat)
+    state = torch.load(flat, weights_only=False)
+    critic = state["critic"]
+    h = hashlib.sha256()
+    for k in sorted(critic):
+        h.update(k.encode() + critic[k].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.e2e
+def test_ppo_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run(task, tmp_path):
+    """Rollouts at steps 1, 3, 5: halted after step 3 on 2 processes (inside the second rollout's updates:
+    its buffer, values, returns and the early stop in the checkpoint), resumed on 3 to step 5, then on 1:
+    the 1-process run's actor and critic, and every logged figure."""
+    import launch
+
+    assert launch.in_process(*ppo_args(task, tmp_path / "cache", tmp_path / "one"))[0] == 0
+    args = ppo_args(task, tmp_path / "cache", tmp_path / "moved")
+    launch.run(2, *args, "train.halt_at=3")
+    launch.run(3, *args, "train.halt_at=5")
+    assert launch.in_process(*args)[0] == 0
+    launch.assert_identical(tmp_path / "moved", tmp_path / "one")
+    got, want = launch.metrics(tmp_path / "moved"), launch.metrics(tmp_path / "one")
+    keys = ("reward/mean", "completion_length", "policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction", "early_stopped", "critic_lr")
+    for key in keys:
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    assert critic_sha(tmp_path / "moved") == critic_sha(tmp_path / "one")
+    assert len({r["value_loss"] for r in want}) > 1 and 0 < sum(r["early_stopped"] for r in want) < 3  # one rollout stopped early, not all
+
+
+@pytest.mark.e2e
+def test_ppo_gamma_or_lam_outside_0_1_exits_2_naming_the_key(task, tmp_path):
+    import launch
+
+    for extra, expected in ((["train.ppo.gamma=1.5"], "train.ppo.gamma must be in [0, 1], got 1.5"),
+                            (["train.ppo.lam=-0.5"], "train.ppo.lam must be in [0, 1], got -0.5"),
+                            (["dist.strategy=fsdp"], "train.objective=ppo with dist.strategy=fsdp: not supported")):
+        code, err = launch.in_process(*ppo_args(task, tmp_path / "cache", tmp_path / "bad"), *extra)
+        assert code == 2 and expected in err and "Traceback" not in err, (extra, err)
