@@ -41,6 +41,7 @@ EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_a
 FAMILY_REFEREE = "tests/test_grpo_family.py::test_each_loss_equals_trls_compute_loss_on_a_fixed_batch"
 FAMILY_CHAIN = "tests/test_grpo_family.py::test_a_variant_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
 PPO_REFEREE = "tests/test_ppo.py::test_gae_whitening_policy_kl_value_and_approx_kl_equal_minimind_train_ppo_on_one_batch"
+PPO_CHAIN = "tests/test_ppo.py::test_ppo_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
@@ -446,6 +447,14 @@ MUTANTS = (
     Mutant("ppo-value-unclipped", "PPO's value loss is clipped around the rollout's values, as MiniMind's (issue 45)",
            "objectives/ppo.py", "torch.max((values - returns) ** 2, (clipped - returns) ** 2)", "(values - returns) ** 2",
            (PPO_REFEREE,)),
+    Mutant("ppo-critic-not-saved", "the critic and its optimizer are in the checkpoint: a resume goes on with them (issue 45)",
+           "objectives/ppo.py", '        return {"critic": ModelState(self.critic), "critic_optimizer": OptimizerState(self.critic, self.critic_opt),\n',
+           "        return {\n", (PPO_CHAIN,)),
+    Mutant("ppo-early-stop-local", "early_stop_kl is decided on the global batch's approximate KL, the same on every world size (issue 45)",
+           "objectives/ppo.py", "            for part in rt.all_gather(sums):", "            for part in [sums]:", (PPO_CHAIN,)),
+    Mutant("ppo-whitened-locally", "PPO's advantages are whitened over the global batch's completion tokens (issue 45)",
+           "objectives/ppo.py", "            order = sorted(merged)\n            adv = whiten(", "            merged = {i: merged[i] for i in mine}\n            order = sorted(merged)\n            adv = whiten(",
+           (PPO_CHAIN,)),
 )
 
 
