@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from checkpoint import ModelState, OptimizerState
+from common.outcome import attempt
 from common.seeds import derive_seed
 from model.critic import Critic
 
@@ -35,7 +36,8 @@ class PPOConfig:
     """train.ppo: MiniMind's names and defaults (train_ppo.py's arguments)."""
 
     critic: str = ""
-    """The critic's weights: any model.init_from source ('': the policy's, as MiniMind), a value head added."""
+    """The critic's body at the start: any model.init_from source of the run's shape and tokenizer ('': the policy's,
+    as MiniMind), a value head added."""
     critic_lr: float = 5e-7
     """The critic's learning rate (MiniMind's critic_learning_rate)."""
     gamma: float = 1.0
@@ -125,6 +127,28 @@ def last_tokens(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def critic_weights(cfg, source: str, agree, tok_files: dict[str, bytes]) -> dict:
+    """train.ppo.critic's weights for the critic's body, read on every rank and agreed: a source of the
+    run's shape and tokenizer (else bad input naming the key)."""
+    from model.formats import WeightsError
+    from weights import base_weights
+
+    from .reference import check_tokenizer
+
+    got = []
+
+    def read() -> None:
+        try:
+            state, record = base_weights(cfg.model, cfg.seed, source, "train.ppo.critic")
+        except WeightsError as e:
+            raise WeightsError(str(e) if str(e).startswith("train.ppo.critic") else f"train.ppo.critic: {e}") from None
+        check_tokenizer(record, tok_files, source, "train.ppo.critic")
+        got.append(state)
+
+    agree("train.ppo.critic", attempt(read))
+    return got[0]
+
+
 class PPO(GRPO):
     """PPO's step (module docstring): GRPO's rollout, then the critic's."""
 
@@ -146,7 +170,9 @@ class PPO(GRPO):
         from runtime import make_reducer
 
         super().start(cfg, rt, meta, resumed, agree, tok_files)
-        if not resumed:
+        if not resumed and self.ppo.critic:
+            self.critic.body.load_state_dict(critic_weights(cfg, self.ppo.critic, agree, tok_files))
+        elif not resumed:
             self.critic.body.load_state_dict(self.policy.state_dict())
         self.critic.to(rt.device).train()
         self.critic_reducer = make_reducer(cfg.dist.strategy, cfg.dist.reduce, self.critic, rt, self.micro_batches // rt.world_size)

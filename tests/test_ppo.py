@@ -182,3 +182,51 @@ def test_ppo_gamma_or_lam_outside_0_1_exits_2_naming_the_key(task, tmp_path):
                             (["dist.strategy=fsdp"], "train.objective=ppo with dist.strategy=fsdp: not supported")):
         code, err = launch.in_process(*ppo_args(task, tmp_path / "cache", tmp_path / "bad"), *extra)
         assert code == 2 and expected in err and "Traceback" not in err, (extra, err)
+
+
+@pytest.mark.e2e
+def test_a_critic_from_a_weights_source_starts_from_it_and_one_of_another_tokenizer_is_refused(task, tmp_path, corpus):
+    """train.ppo.critic: a run folder of the same shape gives the critic its weights (not the policy's);
+    one trained with another tokenizer is refused, exit 2 naming the key, nothing saved."""
+    import launch
+    from conftest import train_in_process
+
+    args = ppo_args(task, tmp_path / "cache", tmp_path / "x")[:-1]
+    src = tmp_path / "src"
+    assert launch.in_process(*[a for a in args if not a.startswith("train.")], "train.global_batch=2", "train.micro_batch=1",
+                             "train.objective=next_token", "data.format=text", f"data.path={corpus}", "train.steps=1",
+                             f"out_dir={src}")[0] == 0
+    out = tmp_path / "from-src"
+    assert launch.in_process(*args, f"train.ppo.critic={src}", "train.steps=1", f"out_dir={out}")[0] == 0
+    assert critic_sha(out) != critic_sha_after_one_step(task, tmp_path)
+    assert train_in_process("--vocab-size", "259", "--out", str(tmp_path / "tok"), str(corpus)) == 0
+    other = tmp_path / "other-tokenizer"
+    code, err = launch.in_process(f"data.path={corpus}", f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}",
+                                  f"data.cache_dir={tmp_path / 'c'}", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
+                                  "model.n_kv_heads=2", "model.seq_len=48", "train.steps=1", "train.global_batch=2",
+                                  "train.micro_batch=1", "log.progress=false", f"out_dir={other}")
+    assert code == 0, err
+    code, err = launch.in_process(*args, f"train.ppo.critic={other}", f"out_dir={tmp_path / 'b'}")
+    assert code == 2 and f"train.ppo.critic: {other} was trained with another tokenizer" in err and "Traceback" not in err, err
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def critic_sha_after_one_step(task, tmp_path) -> str:
+    """The critic after one step from the policy's weights (train.ppo.critic unset)."""
+    import launch
+
+    out = tmp_path / "from-policy"
+    assert launch.in_process(*ppo_args(task, tmp_path / "cache", out), "train.steps=1")[0] == 0
+    return critic_sha(out)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("bad, expected", [("raises", "train.grpo.reward raised on prompt"), ("nan", "train.grpo.reward returned nan for prompt")])
+def test_a_reward_that_raises_or_returns_nan_fails_a_ppo_run_naming_the_prompt_nothing_saved(task, tmp_path, bad, expected):
+    import launch
+
+    out = tmp_path / "run"
+    args = [a if not a.startswith("train.grpo.reward=") else f"train.grpo.reward={task[1]}:{bad}" for a in ppo_args(task, tmp_path / "c", out)]
+    code, err = launch.in_process(*args)
+    assert code == 1 and expected in err and "prompts.jsonl:" in err and "Traceback" not in err, err
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
