@@ -239,6 +239,9 @@ class Config:
         if self.train.objective in ("grpo", "ppo") and self.dist.strategy == "fsdp":
             raise ConfigError(f"train.objective={self.train.objective} with dist.strategy=fsdp: not supported (each rank generates its groups alone, "
                               "which a sharded model cannot: use dist.strategy=ddp)")
+        if self.train.objective == "ppo" and self.train.lora.rank:
+            raise ConfigError("train.objective=ppo with train.lora.rank: not supported (the critic starts from the policy's whole "
+                              "weights: train the policy in full)")
         if self.train.lora.rank:
             try:
                 target_names(self.train.lora, self.model)

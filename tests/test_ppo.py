@@ -179,7 +179,8 @@ def test_ppo_gamma_or_lam_outside_0_1_exits_2_naming_the_key(task, tmp_path):
 
     for extra, expected in ((["train.ppo.gamma=1.5"], "train.ppo.gamma must be in [0, 1], got 1.5"),
                             (["train.ppo.lam=-0.5"], "train.ppo.lam must be in [0, 1], got -0.5"),
-                            (["dist.strategy=fsdp"], "train.objective=ppo with dist.strategy=fsdp: not supported")):
+                            (["dist.strategy=fsdp"], "train.objective=ppo with dist.strategy=fsdp: not supported"),
+                            (["train.lora.rank=4"], "train.objective=ppo with train.lora.rank: not supported")):
         code, err = launch.in_process(*ppo_args(task, tmp_path / "cache", tmp_path / "bad"), *extra)
         assert code == 2 and expected in err and "Traceback" not in err, (extra, err)
 
