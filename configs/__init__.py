@@ -28,6 +28,7 @@ from model.lora import LoRAConfig, target_names
 from objectives.distill import DistillConfig
 from objectives.dpo import DPOConfig
 from objectives.grpo import GRPOConfig
+from objectives.ppo import PPOConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
@@ -76,10 +77,11 @@ class TrainConfig:
     objective: str = "next_token"
     """next_token (pretraining, SFT) | dpo (preference pairs, data.format=preference: docs/dpo.md) | grpo (GRPO or
     CISPO over prompts, data.format=prompts: docs/rl.md) | distill (a teacher's distribution into the model, on text or
-    chat data: docs/distill.md)."""
+    chat data: docs/distill.md) | ppo (PPO with a critic over prompts, GRPO's rollout, data.format=prompts: docs/rl.md)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -89,14 +91,14 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
         choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        choice("train.objective", self.objective, ("next_token", "dpo", "grpo", "distill"))
+        choice("train.objective", self.objective, ("next_token", "dpo", "grpo", "distill", "ppo"))
         if self.objective == "distill" and not self.distill.teacher:
             raise ConfigError("train.distill.teacher: train.objective=distill needs a teacher (one of our run folders, a Hugging "
                               "Face folder or a weights file such as a MiniMind .pth)")
         g = self.grpo.generations
-        if self.objective == "grpo" and (self.global_batch % g or self.micro_batch % g):
+        if self.objective in ("grpo", "ppo") and (self.global_batch % g or self.micro_batch % g):
             raise ConfigError(f"train.global_batch={self.global_batch} and train.micro_batch={self.micro_batch} count completions "
-                              f"under train.objective=grpo: both must be multiples of train.grpo.generations={g} (a group is "
+                              f"under train.objective={self.objective}: both must be multiples of train.grpo.generations={g} (a group is "
                               f"generated and scored within one micro-batch)")
         from runtime.speed import checkpointed_blocks
 
@@ -242,7 +244,7 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
-        pairs = {"dpo": "preference", "grpo": "prompts"}
+        pairs = {"dpo": "preference", "grpo": "prompts", "ppo": "prompts"}
         if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
@@ -252,9 +254,12 @@ class Config:
         if self.train.objective not in ("next_token", "distill") and self.eval.interval:
             raise ConfigError(f"eval.interval with train.objective={self.train.objective}: not supported (every step logs its "
                               f"rewards)")
-        if self.train.objective == "grpo" and self.dist.strategy == "fsdp":
-            raise ConfigError("train.objective=grpo with dist.strategy=fsdp: not supported (each rank generates its groups alone, "
+        if self.train.objective in ("grpo", "ppo") and self.dist.strategy == "fsdp":
+            raise ConfigError(f"train.objective={self.train.objective} with dist.strategy=fsdp: not supported (each rank generates its groups alone, "
                               "which a sharded model cannot: use dist.strategy=ddp)")
+        if self.train.objective == "ppo" and self.train.lora.rank:
+            raise ConfigError("train.objective=ppo with train.lora.rank: not supported (the critic starts from the policy's whole "
+                              "weights: train the policy in full)")
         if self.train.lora.rank:
             try:
                 target_names(self.train.lora, self.model)

@@ -10,14 +10,26 @@ each with `generations` completions. A rollout, for each prompt of this rank's m
   - each completion (up to and with its first EOS) scored by the reward, a pure function of the
     prompt, the completion's text and the line's fields (objectives/rewards.py), each call bounded
     by train.grpo.reward_timeout_s, a rank's first completion scored twice (an impure reward refused);
-  - advantages (r - group mean) / (group std + 1e-4) (MiniMind's, the std of the group itself).
+  - advantages (r - group mean) / (group std + 1e-4) (MiniMind's, the std of the group itself;
+    train.grpo.scale_rewards=batch: the std of the global batch's rewards, gathered in micro-batch
+    order; none: r - group mean; train.grpo.std=sample: Bessel's, as TRL).
 Then `updates_per_rollout` optimizer steps on it: per token, with logp the policy's, old the
 policy's at the rollout (its first update's own forward, detached: the ratio is exactly 1 there),
 ref the frozen reference's and kl = exp(ref - logp) - (ref - logp) - 1 (k3):
   CISPO: -(min(ratio, eps_high).detach() * A * logp - beta * kl)
-  GRPO:  -(min(ratio * A, clamp(ratio, 1 - eps, 1 + eps) * A) - beta * kl)
-a sequence's loss the mean over its completion tokens, the step's loss the mean over the global
-batch's sequences (each micro-batch adds its sum times M / global_batch; the reducers average).
+  GRPO:  -(min(ratio * A, clamp(ratio, 1 - eps, 1 + eps) * A) - beta * kl)   (also dr_grpo, dapo, bnpo)
+  SAPO:  -(sigmoid(tau * (ratio - 1)) * 4 / tau * A - beta * kl), tau sapo_tau_pos if A > 0 else sapo_tau_neg
+(train.grpo.importance_sampling=sequence, GSPO: the ratio is exp of the sequence's mean log-ratio).
+The step's loss, by train.grpo.normalize (by default the loss's own, as TRL 1.16 defines it):
+  sequence (grpo, sapo, cispo as MiniMind's): each sequence's mean over its completion tokens,
+    averaged over the global batch's sequences (a micro-batch adds its sum times M / global_batch);
+  tokens (dapo, bnpo, TRL's cispo): the sum over the global batch's completion tokens divided by
+    their number, counted over every rank's rollout before the updates (TRL's bnpo divides by the
+    local micro-batch's: it depends on the split; this is its global-batch equivalent);
+  max_tokens (dr_grpo): that sum divided by global_batch * max_new_tokens;
+the reducers average the micro-batches: the world size and the micro-batch split do not matter.
+train.grpo.mask_truncated: a completion without an EOS takes no part in the loss (TRL's
+mask_truncated_completions), still one of the global batch's sequences.
 With updates_per_rollout > 1 the rollout (tokens, masks, advantages, rewards, old and reference
 log-probabilities) is part of the resume state, gathered from every rank in micro-batch order at a
 save: a run halted inside a rollout's updates resumes them on any world size.
@@ -49,7 +61,8 @@ from .reference import pinned_reference
 
 log = logging.getLogger("minimind")
 STREAM = 0x47525030  # "GRP0": completion r of a prompt draws from derive_seed(seed, STREAM, step, prompt index, r)
-LOSSES = ("cispo", "grpo")
+LOSSES = ("cispo", "grpo", "dr_grpo", "dapo", "bnpo", "sapo")
+NORMALIZE = {"grpo": "sequence", "sapo": "sequence", "cispo": "sequence", "dapo": "tokens", "bnpo": "tokens", "dr_grpo": "max_tokens"}
 STATS = ("reward_sum", "reward_sq", "sequences", "kl_sum", "tokens", "clipped", "zero_groups", "groups")
 
 
@@ -68,7 +81,21 @@ class GRPOConfig:
     beta: float = 0.1
     """Weight of the k3 KL to the reference (0: no reference, none is read)."""
     loss: str = "cispo"
-    """cispo (MiniMind's default) | grpo."""
+    """cispo (MiniMind's default) | grpo | dr_grpo | dapo | bnpo | sapo: TRL 1.16's loss_type (docs/rl.md)."""
+    importance_sampling: str = "token"
+    """token | sequence (GSPO: the ratio of a sequence is exp of its mean per-token log-ratio)."""
+    scale_rewards: str = "group"
+    """group | batch | none: the advantages' denominator, the group's std, the global batch's, or none (TRL's)."""
+    std: str = "population"
+    """population (MiniMind's) | sample (Bessel's correction, TRL's): the std that scale_rewards divides by."""
+    normalize: str = ""
+    """'' (the loss's own, TRL's) | sequence | tokens | max_tokens: how the step's loss is averaged (module docstring)."""
+    mask_truncated: bool = False
+    """A completion without an EOS in max_new_tokens takes no part in the loss (TRL's mask_truncated_completions)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's temperature for positive advantages (TRL's sapo_temperature_pos)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's temperature for negative advantages (TRL's sapo_temperature_neg)."""
     eps: float = 0.2
     """GRPO's clip range: the ratio is clamped to [1 - eps, 1 + eps]."""
     eps_high: float = 5.0
@@ -90,6 +117,17 @@ class GRPOConfig:
             raise ValueError(f"train.grpo.generations must be >= 2 (a group's advantages compare its completions), got {self.generations}")
         if self.loss not in LOSSES:
             raise ValueError(f"train.grpo.loss: expected one of {', '.join(LOSSES)}, got {self.loss!r}")
+        for key, value, allowed in (("importance_sampling", self.importance_sampling, ("token", "sequence")),
+                                    ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
+                                    ("std", self.std, ("population", "sample")),
+                                    ("normalize", self.normalize, ("", "sequence", "tokens", "max_tokens"))):
+            if value not in allowed:
+                raise ValueError(f"train.grpo.{key}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")
+        if self.importance_sampling == "sequence" and self.norm != "sequence":
+            raise ValueError(f"train.grpo.importance_sampling=sequence: loss={self.loss} (normalize={self.norm}) sums per-token terms, "
+                             "weighting each sequence by its length (token level only, as TRL warns): use loss=grpo, sapo or cispo")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"train.grpo.sapo_tau_pos and sapo_tau_neg must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.max_new_tokens < 1 or self.updates_per_rollout < 1:
             raise ValueError("train.grpo.max_new_tokens and train.grpo.updates_per_rollout must be >= 1")
         if not self.reward_timeout_s > 0:
@@ -99,32 +137,61 @@ class GRPOConfig:
                              f"{self.temperature}, {self.top_p}, {self.beta}, {self.eps}, {self.eps_high}")
 
 
+    @property
+    def norm(self) -> str:
+        """The step loss's normalization: train.grpo.normalize, or the loss's own."""
+        return self.normalize or NORMALIZE[self.loss]
+
+
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """(B, T-1) log-probabilities of tokens[:, 1:] under logits[:, :-1], fp32."""
     b, t = tokens.shape
     return -F.cross_entropy(logits[:, :-1].float().reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), reduction="none").view(b, t - 1)
 
 
-def advantages(rewards: torch.Tensor, generations: int) -> torch.Tensor:
-    """(r - group mean) / (group std + 1e-4), groups of `generations` consecutive completions."""
+def advantages(rewards: torch.Tensor, generations: int, scale: str = "group", unbiased: bool = False,
+               batch: torch.Tensor | None = None) -> torch.Tensor:
+    """(r - group mean) / (group std + 1e-4), groups of `generations` consecutive completions; scale
+    "batch": the std of `batch` (the global batch's rewards), "none": r - group mean."""
     grouped = rewards.view(-1, generations)
     mean = grouped.mean(1, keepdim=True)
-    std = grouped.std(1, keepdim=True, unbiased=False)
+    if scale == "none":
+        return (grouped - mean).view(-1)
+    std = grouped.std(1, keepdim=True, unbiased=unbiased) if scale == "group" else batch.std(unbiased=unbiased)
     return ((grouped - mean) / (std + 1e-4)).view(-1)
 
 
-def per_token_loss(logp, old, ref, adv, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token loss of CISPO or GRPO (module docstring) and where the ratio was clipped."""
-    ratio = torch.exp(logp - old)
+def per_token_loss(logp, old, ref, adv, cfg: GRPOConfig, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss of train.grpo.loss (module docstring) and where the ratio was clipped
+    (`mask`, the completion tokens, needed by importance_sampling=sequence)."""
+    if cfg.importance_sampling == "sequence":
+        m = mask.float()
+        ratio = torch.exp(((logp - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+    else:
+        ratio = torch.exp(logp - old)
     a = adv.unsqueeze(1)
     kl = torch.exp(ref - logp) - (ref - logp) - 1 if ref is not None else torch.zeros_like(logp)
     if cfg.loss == "cispo":
         clipped = ratio > cfg.eps_high
         loss = -(torch.clamp(ratio, max=cfg.eps_high).detach() * a * logp - cfg.beta * kl)
+    elif cfg.loss == "sapo":
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+        tau = torch.where(a > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a - cfg.beta * kl)
     else:
         clipped = ((ratio < 1 - cfg.eps) & (a < 0)) | ((ratio > 1 + cfg.eps) & (a > 0))
         loss = -(torch.min(ratio * a, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * a) - cfg.beta * kl)
     return loss, clipped
+
+
+def reduce_loss(per_token, m, norm: str, micro_batches: int, sequences: int, denominator: float) -> torch.Tensor:
+    """A micro-batch's share of the step's loss (`m` its completion tokens, float): under "sequence" its
+    sequences' means summed times M / sequences (the global batch's), else its tokens' sum times M /
+    denominator (the global batch's tokens, or sequences x max_new_tokens); the reducers average the M."""
+    if norm == "sequence":
+        seq_loss = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
+        return seq_loss.sum() * micro_batches / sequences
+    return (per_token * m).sum() * micro_batches / denominator
 
 
 class GRPO:
@@ -143,6 +210,7 @@ class GRPO:
         self.rollout_s = 0.0
         self.stall_s = 600.0  # dist.timeout_s (start): how long a rank's rollout may show no heartbeat
         self.stats: list[tuple[int, torch.Tensor]] = []
+        self.denominator = float(global_completions)  # the step loss's: sequences, tokens or sequences x max_new_tokens
         self.lengths: list[tuple[int, float]] = []
 
     # ---------------------------------------------------------------- set-up
@@ -208,7 +276,26 @@ class GRPO:
         if any(o["stopped"] for o in outcomes.values()):
             self.buffer = {}
             return "stopped"
+        if self.cfg.scale_rewards == "batch" or self.cfg.norm != "sequence":  # figures of the global batch, gathered
+            merged: dict = {}
+            for part in rt.all_gather({i: {"rewards": ro["rewards"], "mask": ro["mask"]} for i, ro in self.buffer.items()}):
+                merged.update(part)
+            self._globals(merged)
         return None
+
+    def _globals(self, rollout: dict, rescale: bool = True) -> None:
+        """From the global batch's rollout (every micro-batch, any rank's): the step loss's denominator
+        and, under scale_rewards=batch (`rescale`: not on a resume, they are saved), the advantages of
+        this rank's micro-batches."""
+        order = sorted(rollout)
+        if self.cfg.norm == "tokens":  # a count: exact in any order
+            self.denominator = float(max(sum(int(rollout[i]["mask"].sum()) for i in order), 1))  # TRL clamps it to 1 too
+        elif self.cfg.norm == "max_tokens":
+            self.denominator = float(self.global_completions * self.cfg.max_new_tokens)
+        if rescale and self.cfg.scale_rewards == "batch":
+            batch = torch.cat([rollout[i]["rewards"] for i in order])
+            for ro in self.buffer.values():
+                ro["advantages"] = advantages(ro["rewards"], self.cfg.generations, "batch", self.cfg.std == "sample", batch)
 
     def _rollout(self, model, batch, i: int, check: bool = False) -> None:
         rows, lengths, indices = batch
@@ -225,7 +312,7 @@ class GRPO:
                 seq = torch.full((seq_len,), pad, dtype=torch.long)
                 seq[:n], seq[n:n + end] = torch.tensor(prompt), torch.tensor(c[:end])
                 mask = torch.zeros(seq_len - 1, dtype=torch.bool)
-                mask[n - 1:n - 1 + end] = True  # the targets that are completion tokens
+                mask[n - 1:n - 1 + end] = not (self.cfg.mask_truncated and eos not in c)  # the completion's targets
                 tokens.append(seq)
                 masks.append(mask)
                 text = self.tok.decode([t for t in c[:end] if t != eos])
@@ -234,7 +321,7 @@ class GRPO:
                 if check and len(scores) == 1:  # this rank's first completion of the rollout, scored again: the same value
                     reward_fns.check_pure(self.cfg.reward, scores[0], reward_fns.score(*args), index, fields["line"])
         r = torch.tensor(scores, dtype=torch.float32)
-        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g)}
+        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g, self.cfg.scale_rewards, self.cfg.std == "sample", r)}  # batch: prepare's, of the global batch
 
     def loss(self, net, batch, device, i: int = 0) -> torch.Tensor:
         ro = self.buffer[i]
@@ -247,10 +334,9 @@ class GRPO:
                     ro["ref"] = token_logps(self.reference(x)[0], x).cpu()
         old = ro["old"].to(device)
         ref = ro["ref"].to(device) if "ref" in ro else None
-        per_token, clipped = per_token_loss(logp, old, ref, adv, self.cfg)
+        per_token, clipped = per_token_loss(logp, old, ref, adv, self.cfg, mask)
         m = mask.float()
-        seq_loss = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
-        loss = seq_loss.sum() * self.micro_batches / self.global_completions
+        loss = reduce_loss(per_token, m, self.cfg.norm, self.micro_batches, self.global_completions, self.denominator)
         with torch.no_grad():
             r = ro["rewards"].double()
             kl = (torch.exp(ref - logp) - (ref - logp) - 1) if ref is not None else torch.zeros_like(logp)
@@ -320,3 +406,5 @@ class RolloutState:
             return
         per = len(state["tokens"]) // len(order)
         self.grpo.buffer = {i: {k: state[k][j * per:(j + 1) * per].clone() for k in self.KEYS if k in state} for j, i in enumerate(order)}
+        if self.grpo.cfg.norm != "sequence":  # the denominator, from the whole rollout (its advantages are saved)
+            self.grpo._globals(self.grpo.buffer, rescale=False)

@@ -1278,6 +1278,57 @@ def grpo_rows(work: Path, steps: int) -> list[dict]:
     ]
 
 
+def grpo_family_rows(work: Path, steps: int) -> list[dict]:
+    """TRL's GRPO family (issue 45): a variant's step time against CISPO's (the default) on 2 processes,
+    where its global-batch figures are gathered."""
+    base = ["--config", "configs/tiny.yaml", "data.path=stdlib-arith", "data.format=prompts", "train.objective=grpo",
+            "train.global_batch=24", "train.micro_batch=6", "train.grpo.max_new_tokens=16", f"train.steps={steps}",
+            "checkpoint.interval=0", "log.progress=false", "dist.reduce=canonical", f"data.cache_dir={work / 'family-cache'}"]
+    variants = {"cispo": [], "dapo": ["train.grpo.loss=dapo", "train.grpo.scale_rewards=batch", "train.grpo.mask_truncated=true"],
+                "gspo": ["train.grpo.loss=grpo", "train.grpo.importance_sampling=sequence"]}
+    step = {}
+    for name, extra in variants.items():
+        out = work / f"family-{name}"
+        launch([*base, *extra, f"out_dir={out}"], work / "family.log", nproc=2)
+        step[name] = statistics.median(r["step_s"] for r in runfolder.read_metrics(out)[1:])
+    return [
+        {"row": "GRPO family, tiny shape, 4 prompts x 6 completions of 16 tokens, 2 processes", "what": "dapo + batch std + mask_truncated / cispo step time",
+         "value": step["dapo"] / step["cispo"], "detail": f"{step['dapo']:.2f} s / {step['cispo']:.2f} s (median of {steps - 1} steps; "
+                                                          "the global token count and rewards gathered once a rollout)"},
+        {"row": "GRPO family, tiny shape, 4 prompts x 6 completions of 16 tokens, 2 processes", "what": "GSPO (sequence-level grpo) / cispo step time",
+         "value": step["gspo"] / step["cispo"], "detail": f"{step['gspo']:.2f} s / {step['cispo']:.2f} s (median of {steps - 1} steps)"},
+    ]
+
+
+def ppo_rows(work: Path, steps: int) -> list[dict]:
+    """PPO's step against GRPO's at the same completions and updates a rollout (1 process); the critic's bytes per rank."""
+    from model.critic import Critic
+
+    base = ["--config", "configs/tiny.yaml", "data.path=stdlib-arith", "data.format=prompts", "train.global_batch=24",
+            "train.micro_batch=6", "train.grpo.max_new_tokens=16", f"train.steps={steps}", "checkpoint.interval=0", "log.progress=false",
+            "dist.reduce=canonical", f"data.cache_dir={work / 'ppo-cache'}"]
+    runs = {"grpo": ["train.objective=grpo", "train.grpo.updates_per_rollout=2"],
+            "ppo": ["train.objective=ppo", "train.ppo.updates_per_rollout=2", "train.ppo.early_stop_kl=1e9"]}
+    step = {}
+    for name, extra in runs.items():
+        out = work / f"ppo-{name}"
+        launch([*base, *extra, f"out_dir={out}"], work / "ppo.log", nproc=0)
+        step[name] = statistics.median(r["step_s"] for r in runfolder.read_metrics(out)[1:])
+    cfg = load_config(ROOT / "configs" / "tiny.yaml").model
+    critic = Critic(cfg)
+    n = sum(p.numel() for p in critic.parameters())
+    policy = sum(p.numel() for p in MiniMindLM(cfg).parameters())
+    return [
+        {"row": "PPO / GRPO (cispo) step, tiny shape, 4 prompts x 6 completions of 16 tokens, 2 updates a rollout, 1 process",
+         "what": "step time", "value": step["ppo"] / step["grpo"],
+         "detail": f"{step['ppo']:.2f} s / {step['grpo']:.2f} s (median of {steps - 1} steps: the critic's forwards and backward, "
+                   "its optimizer step, the early stop's forward)"},
+        {"row": "PPO critic, tiny shape (model/critic.py: the policy's body and a value head)", "what": "critic bytes per rank / policy's",
+         "value": 3 * n / policy, "detail": f"{3 * n * 4 / 2**20:.2f} MiB: fp32 weights and AdamW's two moments, replicated on every rank, "
+                                            f"against the policy's {policy * 4 / 2**20:.2f} MiB of fp32 weights"},
+    ]
+
+
 def ensure_serve_requirements() -> None:
     """`serve` needs FastAPI and uvicorn (requirements-serve.txt): installed here when missing."""
     try:
@@ -1442,7 +1493,7 @@ def distill_rows(work: Path, steps: int) -> list[dict]:
 
 
 SECTIONS = ("checkpoint", "throughput", "loop", "peer", "compile", "models", "lora", "dpo", "grpo", "corpora", "packing", "sft",
-            "sharding", "generation", "serve", "distill", "mix")
+            "sharding", "generation", "serve", "distill", "mix", "grpo_family", "ppo")
 
 
 def mix_rows(work: Path, steps: int, repeats: int) -> list[dict]:
@@ -1541,6 +1592,8 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda: serve_rows(work, 128 if q else 256),
         "distill": lambda: distill_rows(work, 6 if q else 12),
         "mix": lambda: mix_rows(work, 20 if q else 40, 3 if q else 5),
+        "grpo_family": lambda: grpo_family_rows(work, 4 if q else 8),
+        "ppo": lambda: ppo_rows(work, 4 if q else 8),
     }
     rows: list[dict] = []
     try:

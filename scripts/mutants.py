@@ -38,6 +38,10 @@ class Mutant:
 
 EVAL_IDENTICAL = ("tests/test_eval.py::test_a_run_scoring_eval_tasks_logs_them_and_ends_bit_identical_to_the_run_without_weights_losses_"
                   "and_generators")
+FAMILY_REFEREE = "tests/test_grpo_family.py::test_each_loss_equals_trls_compute_loss_on_a_fixed_batch"
+FAMILY_CHAIN = "tests/test_grpo_family.py::test_a_variant_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
+PPO_REFEREE = "tests/test_ppo.py::test_gae_whitening_policy_kl_value_and_approx_kl_equal_minimind_train_ppo_on_one_batch"
+PPO_CHAIN = "tests/test_ppo.py::test_ppo_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
@@ -460,6 +464,41 @@ MUTANTS = (
            "model/formats.py", "        **hf_yarn(cfg),\n", "", ("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",)),
     Mutant("rope-scaling-not-compared", "model.init_from refuses a Hugging Face folder whose rope scaling is not model.rope_scaling",
            "model/formats.py", "    scaling, ours = hf_rope_scaling(hf), cfg.rope_scaling.act()\n", "    scaling, ours = None, None\n", ("tests/test_rope_scaling.py::test_a_yarn_run_exported_to_hugging_face_gives_transformers_qwen3_logits_and_reads_back",)),
+    Mutant("grpo-tokens-normalized-locally", "dapo/bnpo/TRL's cispo divide by the global batch's completion tokens, not a micro-batch's (issue 45)",
+           "objectives/grpo.py", "return (per_token * m).sum() * micro_batches / denominator", "return (per_token * m).sum() / m.sum().clamp(min=1)",
+           (FAMILY_REFEREE + "[dapo-token-group]",)),
+    Mutant("grpo-batch-std-local", "scale_rewards=batch divides by the std of every rank's rewards (issue 45)",
+           "objectives/grpo.py", "        if rescale and self.cfg.scale_rewards == \"batch\":", "        if False:",
+           ("tests/test_grpo_family.py::test_batch_scaled_advantages_and_the_token_denominator_are_the_global_batchs",)),
+    Mutant("grpo-denominator-not-restored", "a resume inside a rollout's updates divides by the same global token count (issue 45)",
+           "objectives/grpo.py", "            self.grpo._globals(self.grpo.buffer, rescale=False)", "            pass",
+           (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
+    Mutant("grpo-truncated-not-masked", "train.grpo.mask_truncated: a completion without an EOS takes no part in the loss (issue 45)",
+           "objectives/grpo.py", "= not (self.cfg.mask_truncated and eos not in c)", "= True",
+           (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
+    Mutant("gspo-ratio-per-token", "importance_sampling=sequence: the ratio of a sequence is exp of its mean log-ratio (GSPO, issue 45)",
+           "objectives/grpo.py", "    if cfg.importance_sampling == \"sequence\":\n        m = mask.float()", "    if False:\n        m = mask.float()",
+           (FAMILY_REFEREE + "[grpo-sequence-group]",)),
+    Mutant("sapo-temperatures-swapped", "SAPO's temperature is sapo_tau_pos for positive advantages, sapo_tau_neg else (issue 45)",
+           "objectives/grpo.py", "torch.where(a > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)", "torch.where(a > 0, cfg.sapo_tau_neg, cfg.sapo_tau_pos)",
+           (FAMILY_REFEREE + "[sapo-token-none]",)),
+    Mutant("ppo-gae-without-lambda", "PPO's advantages are GAE's, lambda-weighted, as MiniMind's train_ppo.py (issue 45)",
+           "objectives/ppo.py", "last = delta + gamma * lam * last", "last = delta + gamma * last",
+           (PPO_REFEREE,)),
+    Mutant("ppo-value-unclipped", "PPO's value loss is clipped around the rollout's values, as MiniMind's (issue 45)",
+           "objectives/ppo.py", "torch.max((values - returns) ** 2, (clipped - returns) ** 2)", "(values - returns) ** 2",
+           (PPO_REFEREE,)),
+    Mutant("ppo-critic-not-saved", "the critic and its optimizer are in the checkpoint: a resume goes on with them (issue 45)",
+           "objectives/ppo.py", '        return {"critic": ModelState(self.critic), "critic_optimizer": OptimizerState(self.critic, self.critic_opt),\n',
+           "        return {\n", (PPO_CHAIN,)),
+    Mutant("ppo-critic-source-ignored", "train.ppo.critic: the critic starts from that source's weights (issue 45)",
+           "objectives/ppo.py", "        if not resumed and self.ppo.critic:", "        if False:",
+           ("tests/test_ppo.py::test_a_critic_from_a_weights_source_starts_from_it_and_one_of_another_tokenizer_is_refused",)),
+    Mutant("ppo-early-stop-local", "early_stop_kl is decided on the global batch's approximate KL, the same on every world size (issue 45)",
+           "objectives/ppo.py", "            for part in rt.all_gather(sums):", "            for part in [sums]:", (PPO_CHAIN,)),
+    Mutant("ppo-whitened-locally", "PPO's advantages are whitened over the global batch's completion tokens (issue 45)",
+           "objectives/ppo.py", "            order = sorted(merged)\n            adv = whiten(", "            merged = {i: merged[i] for i in mine}\n            order = sorted(merged)\n            adv = whiten(",
+           (PPO_CHAIN,)),
 )
 
 
