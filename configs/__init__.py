@@ -125,7 +125,8 @@ class DataConfig:
     """text: pretraining ({"text": ...} lines) | chat: conversations ({"conversations": [...]}, MiniMind's SFT files)
     rendered with the tokenizer's chat template (docs/sft.md) | preference: pairs ({"chosen": [...], "rejected":
     [...]}, MiniMind's dpo.jsonl) for train.objective=dpo (docs/dpo.md) | prompts: MiniMind's rlaif.jsonl or
-    {"prompt", "answer", ...} lines for train.objective=grpo (docs/rl.md)."""
+    {"prompt", "answer", ...} lines for train.objective=grpo (docs/rl.md) | agent: MiniMind's agent lines (messages,
+    tools, gt) for train.objective=grpo with tools (train.agent, docs/rl.md)."""
     loss_on: str = "assistant"
     """chat: assistant (only the assistant turns teach: MiniMind's rule) | all (every token of the conversation)."""
     pack: bool = True
@@ -149,7 +150,7 @@ class DataConfig:
         _positive("data.num_workers", self.num_workers, zero_ok=True)
         _positive("data.val_samples", self.val_samples, zero_ok=True)
         choice("data.order", self.order, ORDERS)
-        choice("data.format", self.format, ("text", "chat", "preference", "prompts"))
+        choice("data.format", self.format, ("text", "chat", "preference", "prompts", "agent"))
         choice("data.loss_on", self.loss_on, ("assistant", "all"))
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
@@ -226,7 +227,7 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
-        pairs = {"dpo": "preference", "grpo": "prompts"}
+        pairs = {"dpo": "preference", "grpo": "agent" if self.data.format == "agent" else "prompts"}
         if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "

@@ -56,7 +56,7 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
             raise RankFailed(r, outcome["outcome"], outcome["error"], "packing")
     mine = outcomes[packer]
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
-    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset}.get(chat.kind, ChatDataset)
+    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset, "agent": PromptDataset}.get(chat.kind, ChatDataset)
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {seq_len + 1} tokens")
