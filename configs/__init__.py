@@ -26,6 +26,7 @@ from model.config import ModelConfig
 from model.lora import LoRAConfig, target_names
 from objectives.distill import DistillConfig
 from objectives.dpo import DPOConfig
+from objectives.agent import AgentConfig
 from objectives.grpo import GRPOConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
@@ -79,6 +80,8 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The tools of data.format=agent's multi-turn rollouts (docs/rl.md)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -419,7 +422,7 @@ def describe() -> str:
 
 GROUP_DOCS = {"run": "docs/run_folder.md", "model": "docs/models.md", "model.moe": "docs/models.md",
               "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md", "train.dpo": "docs/dpo.md",
-              "train.grpo": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
+              "train.grpo": "docs/rl.md", "train.agent": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
               "train.distill.teacher_model.moe": "docs/distill.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
               "dist": "docs/resuming.md, docs/sharding.md", "runtime": "docs/resuming.md", "log": "docs/watching.md",
               "eval": "docs/watching.md"}

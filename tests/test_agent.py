@@ -211,3 +211,188 @@ def test_a_malformed_tool_schema_or_gt_is_refused_naming_the_line(tmp_path):
     for line, expected in cases:
         with pytest.raises(DataError, match=re.escape(expected)):
             parse_agent(path, 1, json.dumps(line).encode())
+
+
+# The e2e task's tools, parser and reward: a tiny model from its seeded init never writes MiniMind's
+# <tool_call> JSON, so the parser calls a tool on a pure function of the turn's text (2 turns in 3 call one,
+# one of them a tool that raises), and the reward reads the whole transcript: episodes of 1 to 3 turns.
+AGENT_MODULE = '''
+def double(args):
+    return {"value": 2 * int(args["x"])}
+
+
+def broken(args):
+    raise RuntimeError("broken")
+
+
+def calls(text):
+    k = sum(map(ord, text)) % 3
+    return [] if k == 0 else [{"name": "double" if k == 1 else "broken", "arguments": {"x": len(text)}}]
+
+
+def episode(prompt, completion, turns=(), unfinished=False, transcript=(), gt=(), **fields):
+    letters = [c for c in completion.lower() if c.isalpha()]
+    tools = [m for m in transcript if m["role"] == "tool"]
+    return len(turns) - unfinished + sum("value" in m["content"] for m in tools) / 2 + (sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
+'''
+
+
+@pytest.fixture(scope="module")
+def agent_task(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("agent")
+    lines = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "tools": TOOL_SCHEMAS, "gt": [str(a + b)]}
+             for a, b in [(3, 4), (12, 7), (5, 5), (40, 2), (9, 9), (1, 30)]]
+    lines.append({"conversations": [{"role": "system", "content": "Be brief.", "tools": json.dumps(TOOL_SCHEMAS)},
+                                    {"role": "user", "content": "Double 21."}, {"role": "assistant", "content": ""}], "gt": ["42"]})
+    data = root / "agent.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines * 2))
+    (root / "agent_tools.py").write_text(AGENT_MODULE)
+    return data, root / "agent_tools.py"
+
+
+TOOL_SCHEMAS = [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}} for n in ("double", "broken")]
+
+
+def agent_base(task, cache: Path) -> list[str]:
+    data, module = task
+    # 6 prompts a step (12 episodes), one prompt a micro-batch: M = 6 splits over 1, 2 and 3 processes
+    return [f"data.path={data}", "data.format=agent", "train.objective=grpo", f"data.cache_dir={cache}",
+            "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=112",
+            "train.global_batch=12", "train.micro_batch=2", "train.steps=6", "train.warmup_steps=1", "train.lr=3e-3",
+            "train.grpo.generations=2", "train.grpo.max_new_tokens=6", "train.grpo.updates_per_rollout=2",
+            f"train.grpo.reward={module}:episode", "train.grpo.loss=grpo", f"train.agent.tools={module}:double,{module}:broken",
+            f"train.agent.parser={module}:calls", "train.agent.max_turns=3", "dist.reduce=canonical", "checkpoint.interval=0",
+            "checkpoint.keep=10", "log.progress=false", "runtime.threads=1"]
+
+
+AGENT_FIGURES = ("reward/mean", "reward/std", "kl", "completion_length", "clip_fraction", "zero_advantage_groups", "agent/turns",
+                 "agent/tool_calls", "agent/tool_success", "agent/unfinished", "loss")
+
+
+@pytest.fixture(scope="module")
+def agent_uninterrupted(tmp_path_factory, agent_task):
+    root = tmp_path_factory.mktemp("agent-runs")
+    code, err = launch.in_process(*agent_base(agent_task, root / "cache"), f"out_dir={root / 'one'}")
+    assert code == 0, err
+    return root
+
+
+@pytest.mark.e2e
+def test_agent_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run(agent_uninterrupted,
+                                                                                                          agent_task, tmp_path):
+    """Episodes of 1 to 3 turns with tool results in their ids: halted after step 3 (its rollout under update, in the
+    checkpoint) on 2 processes, resumed on 3 to step 5, then on 1: the same weights and every logged figure."""
+    args = [*agent_base(agent_task, tmp_path / "cache"), f"out_dir={tmp_path / 'moved'}"]
+    launch.run(2, *args, "train.halt_at=3")
+    launch.run(3, *args, "train.halt_at=5")
+    assert launch.in_process(*args)[0] == 0
+    launch.assert_identical(tmp_path / "moved", agent_uninterrupted / "one")
+    got, want = launch.metrics(tmp_path / "moved"), launch.metrics(agent_uninterrupted / "one")
+    for key in AGENT_FIGURES:
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    turns = [r["agent/turns"] for r in want]
+    assert 1 < min(turns) and max(turns) < 3 and all(0 < r["agent/tool_success"] < 1 for r in want), want  # multi-turn, both tools
+    assert any(r["agent/unfinished"] > 0 for r in want) and len({r["reward/mean"] for r in want}) > 1
+    assert [r["reward/mean"] for r in want][0::2] == [r["reward/mean"] for r in want][1::2]  # two updates, one rollout
+    manifest = launch.storage_manifest(agent_uninterrupted / "one", 6)
+    assert [t["name"] for t in manifest["reward"]["tools"]] == ["double", "broken"] and len(manifest["reward"]["parser"]["sha256"]) == 64
+
+
+@pytest.mark.e2e
+def test_a_changed_tool_file_is_refused_on_resume_naming_both_hashes(agent_task, tmp_path):
+    import hashlib
+    import shutil
+
+    module = tmp_path / "agent_tools.py"
+    shutil.copy(agent_task[1], module)
+    args = [*agent_base((agent_task[0], module), tmp_path / "cache"), f"out_dir={tmp_path / 'run'}"]
+    assert launch.in_process(*args, "train.halt_at=2", "train.steps=3")[0] == 0
+    was = hashlib.sha256(module.read_bytes()).hexdigest()
+    module.write_text(module.read_text().replace("2 * int", "3 * int"))
+    code, err = launch.in_process(*args, "train.steps=3")
+    now = hashlib.sha256(module.read_bytes()).hexdigest()
+    assert code == 2 and "train.agent.tools:" in err and was in err and now in err and "Traceback" not in err, err
+
+
+class _Lines:
+    """A dataset stand-in: the fields of one agent line."""
+
+    def __init__(self, fields: dict) -> None:
+        self.f = fields
+
+    def fields(self, index: int) -> dict:
+        return self.f
+
+
+def tiny_agent(tmp_path, seq_len: int = 112, max_turns: int = 3):
+    from configs import load_config
+    from data import tokenizer
+    from model.model import MiniMindLM
+    from objectives.agent import Agent
+
+    module = tmp_path / "agent_tools.py"
+    module.write_text(AGENT_MODULE)
+    cfg = load_config(None, [*agent_base((tmp_path / "unused.jsonl", module), tmp_path / "cache")[1:4], f"model.seq_len={seq_len}",
+                             "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.global_batch=2",
+                             "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
+                             f"train.grpo.reward={module}:episode", f"train.agent.tools={module}:double,{module}:broken",
+                             f"train.agent.parser={module}:calls", f"train.agent.max_turns={max_turns}"])
+    torch.manual_seed(0)
+    model = MiniMindLM(cfg.model).eval()
+    fields = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "tools": TOOL_SCHEMAS, "gt": ["7"], "prompt": "What is 3 + 4?",
+              "line": "x:1"}
+    tok = tokenizer.load("bytes")
+    agent = Agent(_Lines(fields), 1, 2, cfg.train.grpo, cfg.train.agent, 1337, tok, None, model)
+    from data.chat import template_of
+
+    prompt = tok.encode_rendered(template_of(tok).render(fields["messages"], TOOL_SCHEMAS, add_generation_prompt=True))
+    return agent, model, prompt, fields, tok
+
+
+@pytest.mark.unit
+def test_an_episodes_ids_are_the_models_turns_and_the_templates_tool_messages_and_only_the_models_ids_are_in_the_mask(tmp_path):
+    agent, model, prompt, fields, tok = tiny_agent(tmp_path)
+    seen_turns = set()
+    for r in range(8):
+        ep = agent.episode(model, prompt, fields, 0, r, 112)
+        assert ep == agent.episode(model, prompt, fields, 0, r, 112)  # a pure function of (seed, step, prompt, r)
+        ids, mine = ep["ids"], ep["mine"]
+        assert ids[:len(prompt)] == prompt and len(ids) <= 112 and min(mine) == len(prompt)
+        results = iter(m["content"] for m in ep["transcript"] if m["role"] == "tool")
+        pos, turns = len(prompt), 0
+        while pos < len(ids):  # a model turn, then the tool messages the template renders after it
+            end = pos
+            while end < len(ids) and end in set(mine):
+                end += 1
+            turns += 1
+            ended = ids[end - 1] == tok.eos
+            if end == len(ids):
+                break
+            text = ("" if ended else "<|im_end|>") + f"\n<|im_start|>tool\n{next(results)}<|im_end|>\n<|im_start|>assistant\n"
+            want = tok.encode_rendered(text)
+            assert ids[end:end + len(want)] == want, (r, tok.decode_rendered(ids[end:]))
+            pos = end + len(want)
+        assert turns == ep["counts"][0] == len(ep["turns"])
+        seen_turns.add(turns)
+        agent.step, agent.buffer = 0, {}
+    assert seen_turns >= {1, 2}
+    agent._rollout(model, (torch.tensor([prompt + [tok.pad] * (112 - len(prompt))]), torch.tensor([len(prompt)]), torch.tensor([0])), 0)
+    ro = agent.buffer[0]
+    for k in range(2):
+        ep = agent.episode(model, prompt, fields, 0, k, 112)
+        assert ro["tokens"][k, :len(ep["ids"])].tolist() == ep["ids"]
+        assert ro["mask"][k].nonzero().view(-1).tolist() == [p - 1 for p in ep["mine"]]  # the targets that are the model's ids
+
+
+@pytest.mark.unit
+def test_an_episode_whose_tool_message_would_fill_model_seq_len_is_cut_at_the_turn_boundary_and_counted_unfinished(tmp_path):
+    agent, model, prompt, fields, tok = tiny_agent(tmp_path, seq_len=64, max_turns=5)
+    cut = 0
+    for r in range(8):
+        ep = agent.episode(model, prompt, fields, 0, r, 64)
+        assert len(ep["ids"]) < 64 and max(ep["mine"]) == len(ep["ids"]) - 1  # ends with the model's turn, room to spare
+        called = bool(agent.parse(ep["turns"][-1]))
+        assert ep["unfinished"] == called and ep["counts"][3] == int(called)  # cut (fewer than 5 turns) or out of turns
+        cut += called and ep["counts"][0] < 5
+    assert cut
