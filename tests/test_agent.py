@@ -396,3 +396,27 @@ def test_an_episode_whose_tool_message_would_fill_model_seq_len_is_cut_at_the_tu
         assert ep["unfinished"] == called and ep["counts"][3] == int(called)  # cut (fewer than 5 turns) or out of turns
         cut += called and ep["counts"][0] < 5
     assert cut
+
+
+@pytest.mark.e2e
+def test_bad_agent_input_exits_2_naming_it(agent_task, tmp_path):
+    from data.agent import TOOLS
+
+    weather = tmp_path / "weather.jsonl"
+    weather.write_text((json.dumps({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS[2:3], "gt": ["10"]}) + "\n") * 6)
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": TOOL_SCHEMAS, "gt": ["1"]}) + "\n"
+                         + json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}], "gt": ["1"]}) + "\n")
+    (tmp_path / "broken_tools.py").write_text("import no_such_dependency_xyz\n")
+    module = agent_task[1]
+    cases = [((weather, module), [], f"{weather}:1: the tool 'get_current_weather' has no implementation in train.agent.tools"),
+             ((malformed, module), [], f"{malformed}:2: tools[0] is a malformed tool schema"),
+             (agent_task, [f"train.agent.tools={tmp_path / 'broken_tools.py'}:f"],
+              f"train.agent.tools: {tmp_path / 'broken_tools.py'} does not import (ModuleNotFoundError"),
+             (agent_task, ["train.agent.tools=calculator"], "train.agent.tools: 'calculator' is neither a built-in one"),
+             (agent_task, ["train.agent.parser=no_such_parser_module:f"], "train.agent.parser: no_such_parser_module does not import"),
+             (agent_task, ["train.agent.max_turns=0"], "train.agent.max_turns must be >= 1"),
+             (agent_task, ["train.objective=next_token"], "train.objective=next_token with data.format=agent")]
+    for task, extra, expected in cases:
+        code, err = launch.in_process(*agent_base(task, tmp_path / "cache"), *extra, f"out_dir={tmp_path / 'bad'}")
+        assert code == 2 and expected in err and "Traceback" not in err, (extra, expected, err[-2000:])
