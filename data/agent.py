@@ -84,19 +84,46 @@ def parse_agent(path: Path, lineno: int, raw: bytes):
     return messages, tools, {**extra, "gt": gt, "messages": messages, "tools": tools, "prompt": users[-1]["content"], "line": where}
 
 
+def calculator_sums(n: int, seed: int) -> list[tuple[str, int]]:
+    """The built-in agent task's questions: "a op b" with two-digit operands and + - *, a fixed draw, and their values."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, op = rnd.randint(10, 99), rnd.randint(10, 99), rnd.choice("+-*")
+        out.append((f"{a} {op} {b}", a + b if op == "+" else a - b if op == "-" else a * b))
+    return out
+
+
+SYSTEM = "Use the calculator."
+
+
 def build_stdlib_agent(dest: Path, n: int = 2000, seed: int = 0) -> Path:
     """The built-in agent task: arithmetic a calculator answers ("What is 37 * 12?", gt ["444"]), with
-    MiniMind's calculate_math tool, a fixed draw. Written once."""
+    MiniMind's calculate_math tool (calculator_sums). Written once."""
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    rnd = random.Random(seed)
     with atomic_file(dest, "w", encoding="utf-8") as out:
-        for _ in range(n):
-            a, b, op = rnd.randint(10, 99), rnd.randint(10, 99), rnd.choice("+-*")
-            value = a + b if op == "+" else a - b if op == "-" else a * b
-            line = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                                 {"role": "user", "content": f"What is {a} {op} {b}? Use the calculator."}],
+        for expr, value in calculator_sums(n, seed):
+            line = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expr}?"}],
                     "tools": TOOLS[:1], "gt": [str(value)]}
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return dest
+
+
+def build_stdlib_agent_chat(dest: Path, n: int = 2000, seed: int = 1) -> Path:
+    """The built-in agent task's fine-tuning conversations (data.format=chat), another draw: the question, a
+    `<tool_call>` of calculate_math in the assistant's text, the tool's result as MiniMind's tool returns it,
+    the answer. Written once."""
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(dest, "w", encoding="utf-8") as out:
+        for expr, value in calculator_sums(n, seed):
+            call = json.dumps({"name": "calculate_math", "arguments": {"expression": expr}})
+            turns = [{"role": "system", "content": SYSTEM, "tools": TOOLS[:1]}, {"role": "user", "content": f"What is {expr}?"},
+                     {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                     {"role": "tool", "content": json.dumps({"result": str(value)})},
+                     {"role": "assistant", "content": f"{expr} = {value}."}]
+            out.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
     return dest

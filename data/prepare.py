@@ -40,6 +40,9 @@ data.format=prompts; data/prompts.py)."""
 BUILTIN_AGENT = "stdlib-agent"
 """`data.path` value that selects the built-in agent task: arithmetic with MiniMind's calculator tool (for
 data.format=agent; data/agent.py)."""
+BUILTIN_AGENT_CHAT = "stdlib-agent-chat"
+"""`data.path` value that selects the built-in agent task's fine-tuning conversations: the calculator
+called in the assistant's text, its result, the answer (for data.format=chat; data/agent.py)."""
 BUILTIN_CHAT = "stdlib-chat"
 """`data.path` value that selects the built-in chat corpus: questions about the standard library
 answered by its docstrings (for data.format=chat)."""
@@ -152,9 +155,11 @@ def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus
         from .prompts import build_stdlib_arith
 
         return Corpus.of_file(build_stdlib_arith(cache_dir / "stdlib_arith.jsonl"))
-    if path == BUILTIN_AGENT:
-        from .agent import build_stdlib_agent
+    if path in (BUILTIN_AGENT, BUILTIN_AGENT_CHAT):
+        from .agent import build_stdlib_agent, build_stdlib_agent_chat
 
+        if path == BUILTIN_AGENT_CHAT:
+            return Corpus.of_file(build_stdlib_agent_chat(cache_dir / "stdlib_agent_chat.jsonl"))
         return Corpus.of_file(build_stdlib_agent(cache_dir / "stdlib_agent.jsonl"))
     if path == BUILTIN_PREFERENCE:
         from .preference import build_stdlib_preference
