@@ -1275,6 +1275,28 @@ def grpo_rows(work: Path, steps: int) -> list[dict]:
     ]
 
 
+def agent_rows(work: Path, steps: int) -> list[dict]:
+    """Agentic RL (data.format=agent, objectives/agent.py) at the agent recipe's shape over the seeded init, 1 process:
+    the share of a step spent in the episodes (generated one at a time, batch 1 per turn, a KV cache each) and the
+    model's ids those episodes generate per second."""
+    out = work / "agent-1"
+    launch(["--config", "configs/agent_tiny.yaml", "model.init_from=", "train.grpo.max_new_tokens=32", f"train.steps={steps}",
+            "checkpoint.interval=0", "log.progress=false", "log.every=1", "dist.reduce=canonical", f"data.cache_dir={work / 'agent-cache'}",
+            f"out_dir={out}"], work / "agent.log")
+    rows = runfolder.read_metrics(out)[1:]
+    share = statistics.median(r["rollout_s"] / r["step_s"] for r in rows)
+    tok_s = statistics.median(r["completion_length"] * 24 / r["rollout_s"] for r in rows)
+    step_s = statistics.median(r["step_s"] for r in rows)
+    turns = statistics.mean(r["agent/turns"] for r in rows)
+    return [
+        {"row": "Agent step, tiny shape, 4 prompts x 6 episodes of up to 3 turns x 32 new tokens, 1 process",
+         "what": "episodes / step time", "value": share, "detail": f"median of {len(rows)} steps of {step_s:.2f} s, "
+                                                                    f"{turns:.2f} turns per episode (seeded init)"},
+        {"row": "Agent episodes, tiny shape, batch 1 per turn with a KV cache", "what": "model ids generated per second",
+         "value": tok_s, "detail": f"median over {len(rows)} rollouts (GRPO's group of 6: see the GRPO rows)"},
+    ]
+
+
 def ensure_serve_requirements() -> None:
     """`serve` needs FastAPI and uvicorn (requirements-serve.txt): installed here when missing."""
     try:
@@ -1439,7 +1461,7 @@ def distill_rows(work: Path, steps: int) -> list[dict]:
 
 
 SECTIONS = ("checkpoint", "throughput", "loop", "peer", "compile", "models", "lora", "dpo", "grpo", "corpora", "packing", "sft",
-            "sharding", "generation", "serve", "distill")
+            "sharding", "generation", "serve", "distill", "agent")
 
 
 def small_model() -> ModelConfig:
@@ -1480,6 +1502,7 @@ def main(argv: list[str] | None = None) -> int:
         "generation": lambda: generation_rows(64 if q else 256),
         "serve": lambda: serve_rows(work, 128 if q else 256),
         "distill": lambda: distill_rows(work, 6 if q else 12),
+        "agent": lambda: agent_rows(work, 4 if q else 8),
     }
     rows: list[dict] = []
     try:
