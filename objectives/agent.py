@@ -89,7 +89,7 @@ class Agent(GRPO):
         self.reward, record = reward_fns.load(cfg.reward, builtin={**reward_fns.BUILTIN, **agent_tools.REWARDS})
         self.toolbox = agent_tools.Toolbox(agent.specs(), agent.tool_timeout_s)
         self.parse, parser = reward_fns.load(agent.parser, "train.agent.parser", {"minimind": agent_tools.parse_tool_calls})
-        self.reward_record = {**record, "tools": self.toolbox.records, "parser": parser}
+        self.reward_record = {**record, "tools": self.toolbox.records, "parser": parser, "max_turns": agent.max_turns}
         self.template = template_of(tok)
         self.counts: list[tuple[int, torch.Tensor]] = []
 
@@ -98,6 +98,13 @@ class Agent(GRPO):
         """GRPO's (the reward and reference pinned), the tools and the parser pinned (a changed file refused, naming both
         hashes), and every tool a line offers implemented."""
         if resumed and meta.reward:
+            names, now = [r["name"] for r in meta.reward.get("tools", [])], [r["name"] for r in self.toolbox.records]
+            if names != now:
+                raise BadInput(f"train.agent.tools: {','.join(now)}, but the steps of {resumed.path} offered {','.join(names) or 'none'}: "
+                               f"another set of tools is another environment (resume with the same)")
+            if meta.reward.get("max_turns", self.agent.max_turns) != self.agent.max_turns and rt.is_main:
+                log.warning("train.agent.max_turns=%d, the checkpoint's %s: the rollouts from here on differ from the uninterrupted "
+                            "run's", self.agent.max_turns, meta.reward.get("max_turns"))
             was = {r["name"]: r for r in meta.reward.get("tools", [])}
             was["parser"] = meta.reward.get("parser") or {}
             for key, r in [*((r["name"], r) for r in self.toolbox.records), ("parser", self.reward_record["parser"])]:

@@ -315,6 +315,8 @@ def test_a_changed_tool_file_is_refused_on_resume_naming_both_hashes(agent_task,
     code, err = launch.in_process(*args, "train.steps=3")
     now = hashlib.sha256(module.read_bytes()).hexdigest()
     assert code == 2 and "train.agent.tools:" in err and was in err and now in err and "Traceback" not in err, err
+    code, err = launch.in_process(*args, "train.steps=3", f"train.agent.tools={module}:double")
+    assert code == 2 and f"train.agent.tools: double, but the steps of" in err and "offered double,broken" in err, err
 
 
 class _Lines:
