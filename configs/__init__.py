@@ -27,6 +27,7 @@ from model.config import ModelConfig
 from model.lora import LoRAConfig, target_names
 from objectives.distill import DistillConfig
 from objectives.dpo import DPOConfig
+from objectives.agent import AgentConfig
 from objectives.grpo import GRPOConfig
 from objectives.ppo import PPOConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
@@ -82,6 +83,8 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The tools of data.format=agent's multi-turn rollouts (docs/rl.md)."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -128,7 +131,8 @@ class DataConfig:
     """text: pretraining ({"text": ...} lines) | chat: conversations ({"conversations": [...]}, MiniMind's SFT files)
     rendered with the tokenizer's chat template (docs/sft.md) | preference: pairs ({"chosen": [...], "rejected":
     [...]}, MiniMind's dpo.jsonl) for train.objective=dpo (docs/dpo.md) | prompts: MiniMind's rlaif.jsonl or
-    {"prompt", "answer", ...} lines for train.objective=grpo (docs/rl.md)."""
+    {"prompt", "answer", ...} lines for train.objective=grpo (docs/rl.md) | agent: MiniMind's agent lines (messages,
+    tools, gt) for train.objective=grpo with tools (train.agent, docs/rl.md)."""
     loss_on: str = "assistant"
     """chat: assistant (only the assistant turns teach: MiniMind's rule) | all (every token of the conversation)."""
     pack: bool = True
@@ -157,7 +161,7 @@ class DataConfig:
         _positive("data.num_workers", self.num_workers, zero_ok=True)
         _positive("data.val_samples", self.val_samples, zero_ok=True)
         choice("data.order", self.order, ORDERS)
-        choice("data.format", self.format, ("text", "chat", "preference", "prompts"))
+        choice("data.format", self.format, ("text", "chat", "preference", "prompts", "agent"))
         choice("data.loss_on", self.loss_on, ("assistant", "all"))
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
@@ -244,7 +248,7 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
-        pairs = {"dpo": "preference", "grpo": "prompts", "ppo": "prompts"}
+        pairs = {"dpo": "preference", "grpo": "agent" if self.data.format == "agent" else "prompts", "ppo": "prompts"}
         if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
@@ -444,7 +448,7 @@ def describe() -> str:
 
 GROUP_DOCS = {"run": "docs/run_folder.md", "model": "docs/models.md", "model.moe": "docs/models.md",
               "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md", "train.dpo": "docs/dpo.md",
-              "train.grpo": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
+              "train.grpo": "docs/rl.md", "train.agent": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
               "train.distill.teacher_model.moe": "docs/distill.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
               "dist": "docs/resuming.md, docs/sharding.md", "runtime": "docs/resuming.md", "log": "docs/watching.md",
               "eval": "docs/watching.md"}

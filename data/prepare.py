@@ -37,6 +37,12 @@ against another question's (for data.format=preference; data/preference.py)."""
 BUILTIN_ARITH = "stdlib-arith"
 """`data.path` value that selects the built-in verifiable task: small sums with their answers (for
 data.format=prompts; data/prompts.py)."""
+BUILTIN_AGENT = "stdlib-agent"
+"""`data.path` value that selects the built-in agent task: arithmetic with MiniMind's calculator tool (for
+data.format=agent; data/agent.py)."""
+BUILTIN_AGENT_CHAT = "stdlib-agent-chat"
+"""`data.path` value that selects the built-in agent task's fine-tuning conversations: the calculator
+called in the assistant's text, its result, the answer (for data.format=chat; data/agent.py)."""
 BUILTIN_CHAT = "stdlib-chat"
 """`data.path` value that selects the built-in chat corpus: questions about the standard library
 answered by its docstrings (for data.format=chat)."""
@@ -149,6 +155,12 @@ def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus
         from .prompts import build_stdlib_arith
 
         return Corpus.of_file(build_stdlib_arith(cache_dir / "stdlib_arith.jsonl"))
+    if path in (BUILTIN_AGENT, BUILTIN_AGENT_CHAT):
+        from .agent import build_stdlib_agent, build_stdlib_agent_chat
+
+        if path == BUILTIN_AGENT_CHAT:
+            return Corpus.of_file(build_stdlib_agent_chat(cache_dir / "stdlib_agent_chat.jsonl"))
+        return Corpus.of_file(build_stdlib_agent(cache_dir / "stdlib_agent.jsonl"))
     if path == BUILTIN_PREFERENCE:
         from .preference import build_stdlib_preference
 
@@ -206,7 +218,7 @@ def side_path(bin_path: Path, chat) -> Path:
     pairs per row (preference)."""
     if chat is None:
         return counts_path(bin_path)
-    return {"preference": pairs_path, "prompts": lengths_path}.get(chat.kind, taught_path)(bin_path)
+    return {"preference": pairs_path, "prompts": lengths_path, "agent": lengths_path}.get(chat.kind, taught_path)(bin_path)
 
 
 def _trusted(record: dict, identity: dict) -> bool:
@@ -279,7 +291,7 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
     bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat)
     dtype = tokenizer.id_dtype(tok.vocab_size + (1 if chat is not None else 0))  # chat targets are stored + 1 (0: none)
     fields = None
-    row = seq_len + 1 if chat is None else {"preference": 4, "prompts": 1}.get(chat.kind, 3) * seq_len
+    row = seq_len + 1 if chat is None else {"preference": 4, "prompts": 1, "agent": 1}.get(chat.kind, 3) * seq_len
     here = {"tokenizer_source": tok.source} if hasattr(tok, "source") else {}
     if meta_path.exists() and bin_path.exists() and side.exists():
         try:
@@ -311,10 +323,10 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
             if chat is None:
                 reader = sources.Reader(corpus)
                 stats, side_data = _build_text(reader, tok, seq_len, dtype, out, progress, batch_bytes)
-            elif chat.kind == "prompts":
-                from . import prompts
+            elif chat.kind in ("prompts", "agent"):
+                from . import agent, prompts
 
-                reader = sources.Reader(corpus, parse=prompts.parse_prompt)
+                reader = sources.Reader(corpus, parse=prompts.parse_prompt if chat.kind == "prompts" else agent.parse_agent)
                 stats, side_data, fields = prompts.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
             elif chat.kind == "preference":
                 from . import preference
@@ -427,7 +439,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
     parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
     parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="data.cache_dir of the run (default %(default)s)")
-    parser.add_argument("--format", choices=("text", "chat", "preference", "prompts"), default="text", help="as data.format (default %(default)s)")
+    parser.add_argument("--format", choices=("text", "chat", "preference", "prompts", "agent"), default="text", help="as data.format (default %(default)s)")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="chat: as data.loss_on")
     parser.add_argument("--no-pack", action="store_true", help="chat: one padded conversation per row (data.pack=false)")
     parser.add_argument("--drop-long", action="store_true", help="chat: as data.drop_long")

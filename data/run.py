@@ -66,7 +66,7 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
     if "mix" in mine:
         return _mix_of_run(cfg, seq_len, seed, mine)
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
-    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset}.get(chat.kind, ChatDataset)
+    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset, "agent": PromptDataset}.get(chat.kind, ChatDataset)
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {seq_len + 1} tokens")

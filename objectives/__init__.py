@@ -3,7 +3,8 @@ micro-batch in, its loss out; a step's metrics; `start`, after the resume, for w
 the model; `prepare`, before a step's forwards; `states`, what it adds to a checkpoint), and the
 optimizer with its learning-rate schedule (optim.py). Next-token prediction (pretraining and SFT) is
 next_token.py, DPO over preference pairs dpo.py, GRPO and CISPO over prompts grpo.py, PPO ppo.py, knowledge
-distillation from a frozen teacher distill.py. What a run is measured by beside its loss: benchmark
+distillation from a frozen teacher distill.py, GRPO over multi-turn episodes with tools agent.py (its tools
+tools.py). What a run is measured by beside its loss: benchmark
 tasks scored as lm-evaluation-harness scores them (benchmark.py)."""
 from data import BatchPlan
 
@@ -32,6 +33,10 @@ def make_objective(cfg, dataset, micro_batches: int, model, tok, rt):
         return DPO(dataset, micro_batches, cfg.train.micro_batch, cfg.train.dpo, model)
     if cfg.train.objective == "distill":
         return Distill(dataset, micro_batches, cfg.train.micro_batch, cfg.data.format == "chat", cfg.train.distill, model)
+    if cfg.train.objective == "grpo" and cfg.data.format == "agent":
+        from .agent import Agent
+
+        return Agent(dataset, micro_batches, cfg.train.global_batch, cfg.train.grpo, cfg.train.agent, cfg.seed, tok, rt, model)
     if cfg.train.objective == "grpo":
         return GRPO(dataset, micro_batches, cfg.train.global_batch, cfg.train.grpo, cfg.seed, tok, rt, model)
     if cfg.train.objective == "ppo":

@@ -70,20 +70,23 @@ def minimind_rules(prompt: str, completion: str, **fields) -> float:
 BUILTIN = {"answer": answer, "answer_partial": answer_partial, "minimind_rules": minimind_rules}
 
 
-def load(spec: str) -> tuple[Callable, dict]:
+def load(spec: str, key: str = "train.grpo.reward", builtin: dict | None = None) -> tuple[Callable, dict]:
     """train.grpo.reward: a built-in name, or `module:function` / `path/to/file.py:function` (a
     user's, imported once). Returns (the function, its record: spec and, for a user's, its file's
-    sha256). BadInput naming the key when it cannot be imported or is not a function."""
-    if spec in BUILTIN:
-        return BUILTIN[spec], {"spec": spec}
+    sha256). BadInput naming the key when it cannot be imported or is not a function. `key` and `builtin`:
+    another setting's name and built-ins (train.agent.tools: objectives/tools.py)."""
+    builtin = BUILTIN if builtin is None else builtin
+    if spec in builtin:
+        return builtin[spec], {"spec": spec}
     if ":" not in spec:
-        raise BadInput(f"train.grpo.reward: {spec!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor module:function")
+        what = "reward" if key == "train.grpo.reward" else "one"
+        raise BadInput(f"{key}: {spec!r} is neither a built-in {what} ({', '.join(builtin)}) nor module:function")
     module_name, _, name = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
             if not path.is_file():
-                raise BadInput(f"train.grpo.reward: {module_name} does not exist")
+                raise BadInput(f"{key}: {module_name} does not exist")
             loader = importlib.util.spec_from_file_location(f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}", path)
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
@@ -94,10 +97,10 @@ def load(spec: str) -> tuple[Callable, dict]:
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - a user's module: whatever it raises, it does not import
-        raise BadInput(f"train.grpo.reward: {module_name} does not import ({type(e).__name__}: {e})") from None
+        raise BadInput(f"{key}: {module_name} does not import ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise BadInput(f"train.grpo.reward: {module_name} has no function {name!r}")
+        raise BadInput(f"{key}: {module_name} has no function {name!r}")
     source = getattr(module, "__file__", None)
     sha = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else None
     return fn, {"spec": spec, "file": source, "sha256": sha}

@@ -43,6 +43,7 @@ FAMILY_CHAIN = "tests/test_grpo_family.py::test_a_variant_halted_inside_a_rollou
 PPO_REFEREE = "tests/test_ppo.py::test_gae_whitening_policy_kl_value_and_approx_kl_equal_minimind_train_ppo_on_one_batch"
 PPO_CHAIN = "tests/test_ppo.py::test_ppo_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_process_run"
 GRPO_CHAIN = "tests/test_grpo.py::test_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
+AGENT_CHAIN = "tests/test_agent.py::test_agent_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equals_the_uninterrupted_run"
 
 MUTANTS = (
     Mutant("fsdp-load-in-dict-order", "every rank hands FSDP's full-state load its tensors in the model's order (I19)",
@@ -499,6 +500,36 @@ MUTANTS = (
     Mutant("ppo-whitened-locally", "PPO's advantages are whitened over the global batch's completion tokens (issue 45)",
            "objectives/ppo.py", "            order = sorted(merged)\n            adv = whiten(", "            merged = {i: merged[i] for i in mine}\n            order = sorted(merged)\n            adv = whiten(",
            (PPO_CHAIN,)),
+    Mutant("agent-sampling-seeded-by-rank", "an episode's turn draws from (seed, step, prompt, r, turn)'s generator, whichever rank makes it (docs/rl.md)",
+           "objectives/agent.py", "derive_seed(self.seed, STREAM, self.step, index, r, turn)", "derive_seed(self.seed, STREAM, self.step, index, r, turn, self.rt.rank)",
+           (AGENT_CHAIN,)),
+    Mutant("agent-mask-covers-tool-results", "an episode's loss mask covers the model's own ids, never a tool's result (docs/rl.md)",
+           "objectives/agent.py", "            ids.extend(seen)\n", "            mine.extend(range(len(ids), len(ids) + len(seen)))\n            ids.extend(seen)\n",
+           ("tests/test_agent.py::test_an_episodes_ids_are_the_models_turns_and_the_templates_tool_messages_and_only_the_models_ids_are_in_the_mask",)),
+    Mutant("agent-observation-without-eos", "a turn cut by max_new_tokens is closed by the template's EOS before the tool messages",
+           "objectives/agent.py", '("" if ended else eos_text) + tail', 'tail',
+           ("tests/test_agent.py::test_an_episodes_ids_are_the_models_turns_and_the_templates_tool_messages_and_only_the_models_ids_are_in_the_mask",)),
+    Mutant("agent-cut-not-unfinished", "a transcript that would fill model.seq_len is cut at a turn boundary and counted unfinished",
+           "objectives/agent.py", "            if len(ids) + len(seen) >= seq_len:  # no position left to answer in: cut at this turn boundary\n                unfinished = True\n",
+           "            if len(ids) + len(seen) >= seq_len:  # no position left to answer in: cut at this turn boundary\n                unfinished = False\n",
+           ("tests/test_agent.py::test_an_episode_whose_tool_message_would_fill_model_seq_len_is_cut_at_the_turn_boundary_and_counted_unfinished",)),
+    Mutant("agent-counts-not-saved", "a rollout under update keeps its episodes' counts in the resume state: the resumed run logs the same figures",
+           "objectives/agent.py", 'KEYS = (*RolloutState.KEYS, "counts")', "KEYS = RolloutState.KEYS", (AGENT_CHAIN,)),
+    Mutant("agent-tool-hash-unchecked", "a changed tool file is refused on resume naming both hashes",
+           "objectives/agent.py", "        if resumed and meta.reward:\n", "        if False:\n",
+           ("tests/test_agent.py::test_a_changed_tool_file_is_refused_on_resume_naming_both_hashes",)),
+    Mutant("agent-tool-timeout-ignored", "a tool call is bounded by train.agent.tool_timeout_s",
+           "objectives/tools.py", "result = reward_fns._bounded(lambda: fn(args), self.timeout_s)", "result = fn(args)",
+           ("tests/test_agent.py::test_a_users_tool_is_pinned_by_its_file_hash_a_raising_one_reads_the_error_and_a_slow_one_fails_at_its_timeout",)),
+    Mutant("agent-raising-tool-crashes", "a tool that raises gives the model MiniMind's error message, not a crash",
+           "objectives/tools.py", "        except Exception:  # noqa: BLE001 - MiniMind's rule", "        except KeyError:  # noqa: BLE001 - MiniMind's rule",
+           ("tests/test_agent.py::test_the_six_mock_tools_answer_as_minimind_s_and_a_raising_or_unknown_tool_reads_its_error_message",)),
+    Mutant("agent-reward-tags-unpenalized", "MiniMind's agent reward: -0.5 per unbalanced <tool_call> tag (as train_agent.py)",
+           "objectives/tools.py", 'reward = -0.5 * sum(abs(a.count("<tool_call>")', 'reward = -0.0 * sum(abs(a.count("<tool_call>")',
+           ("tests/test_agent.py::test_parsed_calls_and_rewards_equal_minimind_train_agent_on_the_same_transcripts",)),
+    Mutant("agent-tool-schema-unchecked", "a malformed tool schema is refused naming the line",
+           "data/agent.py", 'elif not isinstance(fn.get("name"), str) or not fn["name"].strip():', "elif False:",
+           ("tests/test_agent.py::test_a_malformed_tool_schema_or_gt_is_refused_naming_the_line",)),
 )
 
 

@@ -44,6 +44,9 @@ NOT_RUN = {
     ".venv/bin/python scripts/bench.py --json docs/bench.json": "the benchmark (30 min): docs/bench.json is its output",
     ".venv/bin/python scripts/bench.py --only peer": "MiniMind's own trainer, installed by the bench: docs/bench.json",
     ".venv/bin/python scripts/resume_lab.py": "tests/test_resume_lab.py runs the lab",
+    **{command: "tests/test_agent.py::test_the_agent_recipes_run_the_tool_use_fine_tune_then_agent_rl_over_it_at_a_tiny_size runs "
+                "both stages (an agent RL step generates episode by episode: 80 steps would be minutes here)" for command in (
+        "bash scripts/train.sh --config configs/agent_sft_tiny.yaml", "bash scripts/train.sh --config configs/agent_tiny.yaml")},
     "git clone https://github.com/jingyaogong/minimind": "the network: the copy's minimind/model/ is made from ../shared/minimind",
     ".venv/bin/tensorboard --logdir runs/watched/tensorboard": "a server; tests/test_watching.py reads the event files it shows",
     ".venv/bin/python -m checkpoint serve runs/sft_tiny": "a server: tests/test_serve.py::test_the_docs_commands_and_the_openai_client_"
