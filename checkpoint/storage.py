@@ -42,8 +42,11 @@ FILES = frozenset({WEIGHTS_FILE, *TOKENIZER_FILES})
 """The only plain names a manifest may list: a manifest never decides which files are opened."""
 STATE_NAME = re.compile(rf"^{STATE}/(__\d{{1,6}}_\d{{1,6}}\.distcp|\{METADATA})$")
 """...besides DCP's files in state/ (checkpoint/format.py)."""
-FORMAT = 2
-"""Of the manifest: 2 holds every state in state/ (DCP); 1 was the layout of a resume.pth file."""
+FORMAT = 3
+"""Of the manifest: 3 holds every state in state/ (DCP) with every tensor's bytes raw (checkpoint/format.py);
+2, the same with every item a torch.save record (still read); 1 was the layout of a resume.pth file."""
+READS = (2, 3)
+"""The manifest formats this trainer loads."""
 CONVERT = "python -m checkpoint convert"
 log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -329,8 +332,8 @@ def read_manifest(folder: Path) -> dict:
     if body.get("format") == 1:
         raise OldLayout(f"{folder}: written in the earlier layout (a resume.pth file, manifest format 1), which this trainer "
                         f"no longer loads; convert it once, in place (nothing is deleted): {CONVERT} {folder.parent.parent}")
-    if body.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads format {FORMAT}")
+    if body.get("format") not in READS:
+        raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads formats {', '.join(map(str, READS))}")
     for name, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
         if name not in FILES and not STATE_NAME.match(name):
