@@ -34,11 +34,17 @@ from .format import METADATA, STATE
 
 CHECKPOINTS = "checkpoints"
 """The run folder's sub-folder of step folders (run/folder.py names the rest of the run folder)."""
-WEIGHTS_FILE = "weights_fp16.pth"
+WEIGHTS_FILE = "weights_fp16.safetensors"
+"""The fp16 weights for inference (format 3): a safetensors file, so that any Hugging Face tool reads it."""
+OLD_WEIGHTS_FILE = "weights_fp16.pth"
+"""The same of a format-2 checkpoint: a torch.save state dict (read with weights_only=True)."""
+ALIASES = "aliases"
+"""The weights file's safetensors metadata key: JSON {name: the name whose tensor it shares} (tied
+embeddings are one tensor in memory, written once)."""
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A run's tokenizer files, copied as they are into each checkpoint when the run has them."""
-FILES = frozenset({WEIGHTS_FILE, *TOKENIZER_FILES})
+FILES = frozenset({WEIGHTS_FILE, OLD_WEIGHTS_FILE, *TOKENIZER_FILES})
 """The only plain names a manifest may list: a manifest never decides which files are opened."""
 STATE_NAME = re.compile(rf"^{STATE}/(__\d{{1,6}}_\d{{1,6}}\.distcp|\{METADATA})$")
 """...besides DCP's files in state/ (checkpoint/format.py)."""
@@ -91,7 +97,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
     A `manifest` value may be a Future (a hash computed while the files are written): it is awaited
     once the files are on disk, before the manifest is written. `tmp` and `written`: a temporary
     folder (new_temporary) that already holds files written and fsynced by every rank (the states,
-    checkpoint/format.py), with their manifest entries; they are listed with the rest.
+    checkpoint/format.py), with their manifest entries (or Futures of them: a file still being
+    written in a thread, awaited here); they are listed with the rest.
 
     On any failure the temporary folder is removed, nothing new is visible, and the error (with the
     path and the cause) propagates.
@@ -100,7 +107,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
     final = root / step_dir_name(step)
     try:
         tmp = tmp or new_temporary(root, step)
-        entries, fsyncs = dict(written or {}), []
+        entries = {name: e.result() if isinstance(e, Future) else e for name, e in (written or {}).items()}
+        fsyncs = []
         for sub in {Path(name).parent for name in entries} - {Path(".")}:
             fsync_path(tmp / sub)  # the state files' names are durable in their folder
         try:

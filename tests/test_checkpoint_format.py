@@ -142,6 +142,7 @@ def test_a_load_reads_each_tensor_straight_into_the_destinations_memory(tmp_path
     ("two items overlapping", r"the bytes of model.\w+ and model.\w+ overlap in state/__0_0.distcp"),
     ("a length short of the chunk's elements", r"model.ids: its chunk at \(0,\) has 5 elements of torch.int64, more than its 32 bytes hold"),
     ("another shape", r"model.ids: its chunk at \(0,\) is 5 elements of torch.int64 of shape \(5,\), its bytes 40 of torch.int64 of shape \(1, 5\)"),
+    ("a length past the chunk's elements", r"model.\w+: its chunk at \(0,?\) is \d+ elements of torch.\w+ of shape \(\d*,?\), its bytes \d+"),
     ("another dtype", r"model.ids: its chunk at \(0,\) is 5 elements of torch.int64 of shape \(5,\), its bytes 40 of torch.float64"),
     ("a chunk uncovered", r"model.view: its chunks hold 6 elements, its size \(4, 3\) 12"),
     ("an item in format 2 among format 3's", r"model.ids is stored in format 2, the other items in the other format"),
@@ -160,6 +161,10 @@ def test_a_damaged_or_forged_layout_is_refused_before_anything_is_allocated(tmp_
             info.length -= 8
         elif damage == "another shape":
             info.shape = (1, 5)
+        elif damage == "a length past the chunk's elements":  # the last item, over bytes appended to the file
+            last = max(md.storage_data.values(), key=lambda i: i.offset)
+            assert last.dtype is not None and last.shape is not None
+            last.length += 8
         elif damage == "another dtype":
             info.dtype = torch.float64
         elif damage == "a chunk uncovered":
@@ -176,6 +181,9 @@ def test_a_damaged_or_forged_layout_is_refused_before_anything_is_allocated(tmp_
         if damage.endswith("resealed"):
             reseal(folder)
     else:
+        if damage == "a length past the chunk's elements":
+            with open(folder / STATE_FILE, "ab") as f:
+                f.write(bytes(8))
         forge(folder, change)
     allocated, real_empty = [], torch.empty
 
