@@ -65,7 +65,9 @@ MUTANTS = (
     Mutant("sha256-not-checked-on-load", "a state file is used only if its sha256 is the manifest's (I8, I10)",
            "checkpoint/files.py", "    if sha != entry[\"sha256\"]:\n", "    if False:\n",
            ("tests/test_checkpoint_io.py::test_a_flipped_byte_inside_a_tensor_is_refused_by_the_verified_load",
-            "tests/test_sharding.py::test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint")),
+            "tests/test_sharding.py::test_a_flipped_byte_in_one_shard_falls_back_to_the_previous_checkpoint",
+            "tests/test_checkpoint_format.py::test_a_format_2_checkpoint_with_a_flipped_byte_falls_back_to_the_previous_one_and_the_run_still_ends_"
+            "on_the_same_bits")),
     Mutant("no-fallback", "a damaged newest checkpoint falls back to the newest that verifies (I13)",
            "checkpoint/manager.py", "            faults.append(why)\n", "            raise storage.CheckpointError(why)\n",
            ("tests/test_checkpoint_manager.py::test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one",)),

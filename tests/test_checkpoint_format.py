@@ -54,6 +54,25 @@ def test_a_run_written_in_format_2_resumes_to_the_uninterrupted_runs_bits(tmp_pa
     assert [m["loss"] for m in launch.metrics(run)][:2] == [m["loss"] for m in launch.metrics(FORMAT2)]
 
 
+def test_a_format_2_checkpoint_with_a_flipped_byte_falls_back_to_the_previous_one_and_the_run_still_ends_on_the_same_bits(tmp_path, caplog):
+    run = tmp_path / "format2"
+    shutil.copytree(FORMAT2, run)
+    folder = run / storage.CHECKPOINTS / storage.step_dir_name(2)
+    weights = storage.read_tensors(folder, storage.verify(folder))["tok_embeddings.weight"].numpy().tobytes()
+    state = folder / "state" / "__0_0.distcp"
+    data = bytearray(state.read_bytes())
+    at = data.index(weights) + len(weights) // 2  # inside the tensor's values, not torch.save's framing
+    data[at] ^= 0x01
+    state.write_bytes(bytes(data))
+    code, err = launch.in_process(*overrides(run, tmp_path / "cache"))
+    assert code == 0, err
+    [skipped] = [line for line in err.splitlines() if "skipping checkpoint" in line]
+    assert "step_00000002" in skipped and "does not match the manifest" in skipped  # refused by its sha256, not loaded
+    ref = tmp_path / "reference"
+    assert launch.in_process(*overrides(ref, tmp_path / "cache"))[0] == 0
+    launch.assert_identical(run, ref)  # resumed from step 1 (format 2 too), retrained step 2, the same bits
+
+
 # ------------------------------------------------------------------ format 3: raw tensor bytes
 STATE_FILE = "state/__0_0.distcp"
 
