@@ -1,29 +1,34 @@
 """The one checkpoint format: every state of a run, whatever the strategy, through
 torch.distributed.checkpoint (DCP), written and read by a writer and a reader of ours that hash
-every byte (docs/design.md I8, I10, I19; the picture in words: docs/design.md, "One save path").
+every byte in the same pass as its write or read (docs/design.md I8, I10, I19; the byte layout:
+docs/design.md, "One save path").
 
     step_XXXXXXXX/state/.metadata           DCP's metadata: which item lies where (pickled by DCP)
-    step_XXXXXXXX/state/__<rank>_0.distcp   the items that rank wrote (DCP's own file layout)
+    step_XXXXXXXX/state/__<rank>_0.distcp   the items that rank wrote: the bytes items (torch.save
+                                            records), then every tensor's bytes raw (format 3)
 
 Writing (`Writer`, a DCP StorageWriter). DCP's planner gives each rank its items: a replicated
 state (DDP's whole model and optimizer, the step, the RNG states rank 0 gathered) to rank 0 alone,
 a sharded one (FSDP's) to the rank that holds each shard. Each rank writes its items into one file,
-hashing the bytes as they go out, and fsyncs it; the file's size and sha256 travel to the
-coordinator inside DCP's own write results, and the coordinator's `finish()` writes the metadata and
-hands every file's entry to the caller's `publish` (the manifest and the rename: storage.publish).
+the tensors' elements as they are in memory, hashing the bytes as they go out, and fsyncs it; each
+item's place (offset, length, and a tensor's dtype and shape) is its `RawItem` in DCP's storage
+data, and the file's size and sha256 travel to the coordinator inside DCP's own write results; the
+coordinator's `finish()` writes the metadata and hands every file's entry to the caller's `publish`
+(the manifest and the rename: storage.publish).
 
-Reading (`Reader`). Each file a rank needs is read once, whole, and used only if its size and
-sha256 are the manifest's; the metadata is unpickled by an allow-list of DCP's own metadata classes
-(each looked up only in the module that defines it), torch's sizes, dtypes and layouts, and plain
-containers: nothing else is looked up, nothing in it runs. Then it is checked against the files it
-points into before anything is allocated (`check_metadata`): every tensor's chunks cover it exactly
-once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file and no two
-overlap, so every size it states is bounded by the bytes on disk. Non-tensor items and tensors are
-read with `torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed)
-records, and a tensor is used only with the shape and dtype the metadata gave its chunk.
+Reading (`Reader`). The metadata is unpickled by an allow-list of DCP's own metadata classes and
+`RawItem` (each looked up only in the module that defines it), torch's sizes, dtypes and layouts,
+and plain containers: nothing else is looked up, nothing in it runs. Then it is checked against the
+files it points into before anything is allocated (`check_metadata`): every tensor's chunks cover
+it exactly once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file
+and no two overlap, and a raw chunk's bytes are exactly its elements, so every size it states is
+bounded by the bytes on disk. Each file a rank needs is then read front to back once, hashed as it
+goes by, each tensor read straight into its destination's memory; the bytes items are loaded with
+`torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed) records, once
+the file's sha256 is the manifest's. Format 2 (every item a torch.save record, DCP's own file
+layout) is still read: the file read whole and verified, then each item loaded alike.
 
-The files are DCP's own, so a step folder's `state/` is also a checkpoint stock DCP reads
-(`torch.distributed.checkpoint.load`, `format_utils.dcp_to_torch_save`). Nothing here knows a model.
+Nothing here knows a model.
 """
 from __future__ import annotations
 

@@ -502,12 +502,12 @@ class CheckpointManager:
     def _stage(self, snapshot: dict) -> dict:
         """A copy of `snapshot` in CPU memory (pinned on CUDA), into the buffers of the previous
         copy when the structure is the same (DCP's own staging helpers: DTensors stay DTensors)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
         if self._staged is not None:
             try:
                 return _copy_state_dict(snapshot, self._staged)
-            except (AssertionError, KeyError, RuntimeError, TypeError, ValueError):  # another structure: new buffers
+            except (AssertionError, CompanionMismatch, KeyError, RuntimeError, TypeError, ValueError):  # another structure: new buffers
                 pass
         self._staged = _tie(snapshot, _create_cpu_state_dict(snapshot, pin_memory=self.comm.device.type == "cuda"))
         return _copy_state_dict(snapshot, self._staged)
