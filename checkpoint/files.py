@@ -104,6 +104,61 @@ class HashingWriter:
         self.f.flush()
 
 
+class HashingReader:
+    """Reads a file front to back into buffers given to it (`readinto`: a tensor's own bytes), hashing
+    every byte as it goes by, each byte read once. A large block is hashed in a helper thread while
+    the next one is read (sha256 and read() both release the GIL); the blocks are hashed in file
+    order. A file that ends early is a FileError naming it."""
+
+    BLOCK = 8 << 20
+
+    def __init__(self, f, path: Path) -> None:
+        self.f, self.path, self.sha, self.size = f, path, hashlib.sha256(), 0
+        self._pending: Future | None = None
+
+    def _hash(self, view: memoryview) -> None:
+        if self._pending is not None:
+            self._pending.result()  # the blocks before it first: the digest is over the bytes in file order
+            self._pending = None
+        if view.nbytes >= _OVERLAP:
+            self._pending = _helper.submit(self.sha.update, view)
+        else:
+            self.sha.update(view)
+
+    def readinto(self, buffer) -> None:
+        """Fill `buffer` (anything with a writable buffer) whole from the file's next bytes."""
+        view = memoryview(buffer).cast("B")
+        for start in range(0, view.nbytes, self.BLOCK):
+            part = view[start:start + self.BLOCK]
+            got = 0
+            while got < part.nbytes:
+                n = self.f.readinto(part[got:])
+                if not n:
+                    raise FileError(f"{self.path}: ends at byte {self.size + got}, before the bytes its metadata lists (truncated)")
+                got += n
+            self.size += got
+            self._hash(part)
+
+    def skip(self, n: int) -> None:
+        """Read and hash the next `n` bytes without keeping them (items this rank does not load)."""
+        while n > 0:
+            block = bytearray(min(n, self.BLOCK))  # a fresh buffer: the previous one may still be being hashed
+            self.readinto(block)
+            n -= len(block)
+
+    def rest(self) -> None:
+        """Read and hash to the end of the file."""
+        while block := self.f.read(self.BLOCK):
+            self.size += len(block)
+            self._hash(memoryview(block))
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        return self.sha.hexdigest()
+
+
 def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
     """Write one file of a checkpoint (raw bytes, or an object through torch.save), hashing it on the way. Its fsync is started in a helper
     thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or

@@ -1,29 +1,34 @@
 """The one checkpoint format: every state of a run, whatever the strategy, through
 torch.distributed.checkpoint (DCP), written and read by a writer and a reader of ours that hash
-every byte (docs/design.md I8, I10, I19; the picture in words: docs/design.md, "One save path").
+every byte in the same pass as its write or read (docs/design.md I8, I10, I19; the byte layout:
+docs/design.md, "One save path").
 
     step_XXXXXXXX/state/.metadata           DCP's metadata: which item lies where (pickled by DCP)
-    step_XXXXXXXX/state/__<rank>_0.distcp   the items that rank wrote (DCP's own file layout)
+    step_XXXXXXXX/state/__<rank>_0.distcp   the items that rank wrote: the bytes items (torch.save
+                                            records), then every tensor's bytes raw (format 3)
 
 Writing (`Writer`, a DCP StorageWriter). DCP's planner gives each rank its items: a replicated
 state (DDP's whole model and optimizer, the step, the RNG states rank 0 gathered) to rank 0 alone,
 a sharded one (FSDP's) to the rank that holds each shard. Each rank writes its items into one file,
-hashing the bytes as they go out, and fsyncs it; the file's size and sha256 travel to the
-coordinator inside DCP's own write results, and the coordinator's `finish()` writes the metadata and
-hands every file's entry to the caller's `publish` (the manifest and the rename: storage.publish).
+the tensors' elements as they are in memory, hashing the bytes as they go out, and fsyncs it; each
+item's place (offset, length, and a tensor's dtype and shape) is its `RawItem` in DCP's storage
+data, and the file's size and sha256 travel to the coordinator inside DCP's own write results; the
+coordinator's `finish()` writes the metadata and hands every file's entry to the caller's `publish`
+(the manifest and the rename: storage.publish).
 
-Reading (`Reader`). Each file a rank needs is read once, whole, and used only if its size and
-sha256 are the manifest's; the metadata is unpickled by an allow-list of DCP's own metadata classes
-(each looked up only in the module that defines it), torch's sizes, dtypes and layouts, and plain
-containers: nothing else is looked up, nothing in it runs. Then it is checked against the files it
-points into before anything is allocated (`check_metadata`): every tensor's chunks cover it exactly
-once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file and no two
-overlap, so every size it states is bounded by the bytes on disk. Non-tensor items and tensors are
-read with `torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed)
-records, and a tensor is used only with the shape and dtype the metadata gave its chunk.
+Reading (`Reader`). The metadata is unpickled by an allow-list of DCP's own metadata classes and
+`RawItem` (each looked up only in the module that defines it), torch's sizes, dtypes and layouts,
+and plain containers: nothing else is looked up, nothing in it runs. Then it is checked against the
+files it points into before anything is allocated (`check_metadata`): every tensor's chunks cover
+it exactly once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file
+and no two overlap, and a raw chunk's bytes are exactly its elements, so every size it states is
+bounded by the bytes on disk. Each file a rank needs is then read front to back once, hashed as it
+goes by, each tensor read straight into its destination's memory; the bytes items are loaded with
+`torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed) records, once
+the file's sha256 is the manifest's. Format 2 (every item a torch.save record, DCP's own file
+layout) is still read: the file read whole and verified, then each item loaded alike.
 
-The files are DCP's own, so a step folder's `state/` is also a checkpoint stock DCP reads
-(`torch.distributed.checkpoint.load`, `format_utils.dcp_to_torch_save`). Nothing here knows a model.
+Nothing here knows a model.
 """
 from __future__ import annotations
 
@@ -42,9 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.serialization import config as serialization_config
 
-from .files import FileError, HashingWriter, no_follow, refuse_links, verified_bytes, write_file
+from .files import FileError, HashingReader, HashingWriter, no_follow, refuse_links, verified_bytes, write_file
 
 STATE = "state"
 """The sub-folder of a step folder that holds DCP's files."""
@@ -52,6 +56,37 @@ METADATA = ".metadata"
 # One process without a process group (plain `python train.py`, the tools) is meant: DCP need not say it assumes so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
                         category=UserWarning)
+
+
+VERSION = 3
+"""The byte layout this writer writes (the manifest's "format"): 3, every tensor's bytes raw, at the
+offset its `RawItem` records; 2 (still read), every item a torch.save record (DCP's own layout)."""
+RAW_BLOCK = 8 << 20
+"""Tensor bytes are written in blocks of this size: each block's hash overlaps the next one's write."""
+
+
+def _raw_item_class():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    @dataclasses.dataclass
+    class RawItem(_StorageInfo):
+        """Where one item lies in a format-3 state file: DCP's (relative_path, offset, length) and, for
+        a tensor chunk, the dtype and shape its raw bytes have (None for a bytes item)."""
+
+        dtype: torch.dtype | None = None
+        shape: tuple | None = None
+
+    RawItem.__module__, RawItem.__qualname__ = __name__, "RawItem"  # pickled by reference to this module
+    return RawItem
+
+
+def __getattr__(name: str):
+    # RawItem is made at its first use: DCP's modules take most of a second to import, and most uses
+    # of this module (the tools' listings) never need them.
+    if name == "RawItem":
+        globals()["RawItem"] = cls = _raw_item_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FormatError(FileError):
@@ -77,6 +112,7 @@ _METADATA_CLASSES = {
     "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
     # The checkpoint id DCP <= 2.12 recorded (a path): built, never opened. Our writer records none.
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
+    __name__: frozenset({"RawItem"}),  # format 3's storage entries
 }
 
 
@@ -114,6 +150,17 @@ def read_metadata(data: bytes, path: Path, entries: dict[str, dict] | None = Non
     return metadata
 
 
+def raw_item() -> type:
+    """The class RawItem (made at its first use)."""
+    return globals().get("RawItem") or __getattr__("RawItem")
+
+
+def is_raw(metadata) -> bool:
+    """Is this checkpoint's layout format 3 (raw tensor bytes; else format 2, torch.save records)?"""
+    cls = raw_item()
+    return any(isinstance(info, cls) for info in metadata.storage_data.values())
+
+
 def _count(x) -> bool:
     return type(x) is int and x >= 0
 
@@ -144,9 +191,12 @@ def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = ST
 
     sizes = {name[len(sub) + 1:]: e["bytes"] for name, e in entries.items() if name.startswith(f"{sub}/")}
     regions: dict[str, list[tuple[int, int, str]]] = {}
+    raw, RawItem = is_raw(metadata), raw_item()
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) or not isinstance(index.fqn, str):
             bad(f"a storage entry of type {type(index).__name__} -> {type(info).__name__}")
+        if isinstance(info, RawItem) != raw:
+            bad(f"{index.fqn} is stored in format {3 if isinstance(info, RawItem) else 2}, the other items in the other format")
         rel, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or rel not in sizes:
             bad(f"{index.fqn} lies in {rel!r}, which the manifest does not list")
@@ -166,6 +216,9 @@ def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = ST
         if isinstance(md, BytesStorageMetadata):
             if MetadataIndex(fqn) not in metadata.storage_data:
                 bad(f"{fqn}: no bytes recorded for it")
+            info = metadata.storage_data[MetadataIndex(fqn)]
+            if raw and (info.dtype is not None or info.shape is not None):
+                bad(f"{fqn}: a bytes item recorded as a {info.dtype} tensor of {info.shape}")
             continue
         if not isinstance(md, TensorStorageMetadata):
             bad(f"{fqn}: an item of type {type(md).__name__}")
@@ -173,7 +226,7 @@ def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = ST
         if not isinstance(size, tuple) or not all(_count(n) for n in size) or not isinstance(dtype, torch.dtype) \
                 or not isinstance(chunks, list):
             bad(f"{fqn}: size {size!r}, dtype {dtype!r}, chunks of type {type(chunks).__name__}")
-        boxes = []
+        boxes, stored = [], []
         for chunk in chunks:
             offsets, lengths = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if not isinstance(chunk, ChunkStorageMetadata) or not isinstance(offsets, tuple) or not isinstance(lengths, tuple) \
@@ -187,6 +240,7 @@ def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = ST
                 bad(f"{fqn}: its chunk at {tuple(offsets)} has {math.prod(lengths)} elements of {dtype}, more than its "
                     f"{info.length} bytes hold")
             boxes.append((tuple(offsets), tuple(lengths)))
+            stored.append((tuple(offsets), tuple(lengths), info))
         if sum(math.prod(b[1]) for b in boxes) != math.prod(size):
             bad(f"{fqn}: its chunks hold {sum(math.prod(b[1]) for b in boxes)} elements, its size {tuple(size)} "
                 f"{math.prod(size)}: the chunks do not cover it exactly once")
@@ -200,6 +254,11 @@ def check_metadata(metadata, entries: dict[str, dict], path: Path, sub: str = ST
                 if _overlap(box, other):
                     bad(f"{fqn}: its chunks at {other[0]} and {box[0]} overlap: the chunks do not cover it exactly once")
             active.append(box)
+        for offsets, lengths, info in stored if raw else ():  # raw bytes: exactly the chunk's elements, as the chunk says
+            if info.dtype != dtype or not isinstance(info.shape, tuple) or info.shape != lengths \
+                    or info.length != math.prod(lengths) * dtype.itemsize:
+                bad(f"{fqn}: its chunk at {offsets} is {math.prod(lengths)} elements of {dtype} of shape {lengths}, its bytes "
+                    f"{info.length} of {info.dtype} of shape {info.shape}")
 
 
 def structure_mismatches(state: dict, metadata) -> list[str]:
@@ -233,15 +292,24 @@ class _Results(list):
         self.files = files
 
 
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's elements as the bytes they are in CPU memory (no copy for a contiguous CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()  # a contiguous view of a larger storage gives its own elements only
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def _write_items(path: Path, relative: str, items: list, planner) -> tuple[list, dict]:
-    """Write DCP's items for this rank into `path`, the byte items first and then the tensors, each
-    tensor as DCP's FileSystemWriter writes it (torch.save of the tensor alone); hash and fsync.
-    Returns DCP's WriteResults and the file's manifest entry."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    """Write DCP's items for this rank into `path` (format 3): the bytes items first (torch.save
+    records, as DCP's planner serialised them), then every tensor's bytes raw, each at the offset
+    its RawItem records, with its dtype and shape; each byte hashed as it goes out (one pass), then
+    fsynced. Returns DCP's WriteResults and the file's manifest entry."""
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    results = []
+    RawItem, results = raw_item(), []
     with open(path, "wb") as f:
         w = HashingWriter(f)
         try:
@@ -249,22 +317,17 @@ def _write_items(path: Path, relative: str, items: list, planner) -> tuple[list,
                 data, offset = planner.resolve_data(item), w.size
                 if item.type == WriteItemType.BYTE_IO:
                     w.write(data.getbuffer())
+                    info = RawItem(relative, offset, w.size - offset)
                 else:
-                    t = data.detach().cpu()
-                    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                        t = t.clone()  # a view: write its elements, not the storage it lives in
-                    # The manifest's sha256 covers every byte; torch's per-record CRC32 (0.5 GB/s) adds nothing.
-                    with serialization_config.patch({"save.compute_crc32": False}):
-                        torch.save(t, w)
-                results.append(WriteResult(index=item.index, size_in_bytes=w.size - offset,
-                                           storage_data=_StorageInfo(relative, offset, w.size - offset)))
+                    view = _raw_bytes(data)
+                    for start in range(0, view.nbytes, RAW_BLOCK):
+                        w.write(view[start:start + RAW_BLOCK])
+                    info = RawItem(relative, offset, w.size - offset, None, data.dtype, tuple(data.shape))
+                results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
             f.flush()
             os.fsync(f.fileno())
-        except Exception as e:  # torch's zip writer hides the real error (a RuntimeError, "unexpected pos"): name it and the file
-            real = w.error if w.error is not None else e if isinstance(e, OSError) else None
-            if real is None:
-                raise
-            raise OSError(real.errno, real.strerror or str(real), str(path)) from e
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     return results, {"bytes": w.size, "sha256": w.sha.hexdigest()}
 
 
@@ -402,6 +465,16 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
+def _fits(target: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
+    """Can a chunk's raw bytes be read straight into `target`'s memory?"""
+    return target.device.type == "cpu" and target.dtype == dtype and tuple(target.shape) == shape and target.is_contiguous()
+
+
+def _raw_bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's own bytes, writable: a read fills the tensor."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def _reader_classes():
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -439,30 +512,90 @@ def _reader_classes():
             per_file: dict[str, list] = {}
             for req in plan.items:
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            read = self._read_raw if is_raw(self.metadata) else self._read_records
             for relative, reqs in per_file.items():
-                view = memoryview(verified_bytes(self.folder, f"{self.sub}/{relative}", self.entries))
-                for req in reqs:
-                    info = self.storage_data[req.storage_index]
-                    piece = io.BytesIO(view[info.offset: info.offset + info.length])
-                    where = f"{self.folder / self.sub / relative}: {req.storage_index.fqn}"
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(piece.getvalue()), where)
-                        continue
-                    tensor = _load_item(piece, where)
-                    shape, dtype = self.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-                    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                        raise FormatError(f"{where}: holds {type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))} "
-                                          f"{getattr(tensor, 'dtype', '')}, its metadata says a {dtype} chunk of {shape}")
-                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise FormatError(f"{self.folder / self.sub / relative}: {req.storage_index.fqn} is {tuple(tensor.size())} "
-                                          f"there, {tuple(target.size())} here")
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+                read(relative, reqs, planner)
             fut = Future()
             fut.set_result(None)
             return fut
+
+        def _read_raw(self, relative: str, reqs: list, planner) -> None:
+            """Format 3: the file read front to back once, hashed as it goes by; each tensor item read
+            straight into the destination tensor's own bytes where the request is the whole chunk and
+            the destination a contiguous CPU tensor of its dtype (else into a buffer of the chunk, then
+            copied); the bytes items kept and unpickled only once the file's sha256 is the manifest's."""
+            name = f"{self.sub}/{relative}"
+            path, entry = self.folder / name, self.entries.get(name)
+            if entry is None:
+                raise FormatError(f"{path}: not listed in the manifest; only what the manifest vouches for is read")
+            items: dict = {}
+            for req in reqs:
+                items.setdefault(req.storage_index, []).append(req)
+            order = sorted(items, key=lambda index: self.storage_data[index].offset)
+            refuse_links(self.folder, name)
+            try:
+                f = open(path, "rb", buffering=0, opener=no_follow)
+            except OSError as e:
+                raise FormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry["bytes"]:  # every item was bounded by the listed size (check_metadata)
+                    raise FormatError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+                r, later = HashingReader(f, path), []
+                for index in order:
+                    info, where = self.storage_data[index], f"{path}: {index.fqn}"
+                    if info.offset < r.size:
+                        raise FormatError(f"{where}: its bytes at {info.offset} overlap the item before it (a damaged or forged checkpoint)")
+                    r.skip(info.offset - r.size)
+                    first = items[index][0]
+                    if first.type == LoadItemType.BYTE_IO:
+                        data = bytearray(info.length)
+                        r.readinto(data)
+                        later.extend((req, data, where) for req in items[index])
+                        continue
+                    shape, dtype = self.chunks[(index.fqn, tuple(index.offset))]
+                    targets = [planner.resolve_tensor(req).detach() for req in items[index]]
+                    whole = len(targets) == 1 and tuple(first.storage_offsets) == (0,) * len(shape) \
+                        and tuple(first.lengths) == shape
+                    into = targets[0] if whole and _fits(targets[0], shape, dtype) else torch.empty(shape, dtype=dtype)
+                    r.readinto(_raw_bytes_of(into))
+                    for req, target in zip(items[index], targets):
+                        if target is not into:
+                            piece = _narrow(into, req.storage_offsets, req.lengths)
+                            if target.size() != piece.size():
+                                raise FormatError(f"{where}: {tuple(piece.size())} there, {tuple(target.size())} here")
+                            target.copy_(piece)
+                        planner.commit_tensor(req, target)
+                r.rest()
+                sha = r.hexdigest()
+            if r.size != entry["bytes"] or sha != entry["sha256"]:
+                raise FormatError(f"{path}: sha256 {sha[:12]}... of {r.size} bytes does not match the manifest's "
+                                  f"{entry['sha256'][:12]}... of {entry['bytes']} (corrupted)")
+            for req, data, where in later:
+                planner.load_bytes(req, io.BytesIO(bytes(data)), where)
+
+        def _read_records(self, relative: str, reqs: list, planner) -> None:
+            """Format 2: the file read whole and verified, each item a torch.save record."""
+            view = memoryview(verified_bytes(self.folder, f"{self.sub}/{relative}", self.entries))
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                piece = io.BytesIO(view[info.offset: info.offset + info.length])
+                where = f"{self.folder / self.sub / relative}: {req.storage_index.fqn}"
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(piece.getvalue()), where)
+                    continue
+                tensor = _load_item(piece, where)
+                shape, dtype = self.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise FormatError(f"{where}: holds {type(tensor).__name__} {tuple(getattr(tensor, 'shape', ()))} "
+                                      f"{getattr(tensor, 'dtype', '')}, its metadata says a {dtype} chunk of {shape}")
+                tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise FormatError(f"{self.folder / self.sub / relative}: {req.storage_index.fqn} is {tuple(tensor.size())} "
+                                      f"there, {tuple(target.size())} here")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id) -> bool:

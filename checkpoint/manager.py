@@ -10,10 +10,12 @@ on a process group the manager makes at its first use and destroys in `close()`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
 import uuid
+import concurrent.futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +149,43 @@ def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = Fal
                 seen[key] = v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()
         out[k] = seen[key]
     return out
+
+
+_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
+                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file of these CPU tensors, laid out the same every time: the 8-byte header size,
+    the JSON header (names sorted, the metadata's keys sorted; the library's own writer orders the
+    metadata as a hash map does, so two saves of one state would differ), padded to 8 bytes, then
+    every tensor's bytes in name order."""
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    parts, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + data.nbytes]}
+        parts.append(data)
+        offset += data.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return b"".join([len(head).to_bytes(8, "little"), head, *parts])
+
+
+def write_half(path: Path, model_state: dict[str, torch.Tensor], single_thread: bool = False) -> dict:
+    """The fp16 weights for inference (half_weights) as a safetensors file at `path` (any Hugging Face
+    tool reads it), hashed as it is written and fsynced; returns its manifest entry. A tensor under
+    two names (tied embeddings) is written once, the other name recorded in the file's metadata under
+    storage.ALIASES (weights/sources.py gives it back)."""
+    half, first, aliases = half_weights(model_state, single_thread), {}, {}
+    for name, t in half.items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    meta = {"format": "pt", **({storage.ALIASES: json.dumps(aliases, sort_keys=True)} if aliases else {})}
+    return storage.write_file(path, safetensors_bytes({name: half[name] for name in first.values()}, meta))
 
 
 def _tie(source: dict, copy: dict) -> dict:
@@ -463,12 +502,12 @@ class CheckpointManager:
     def _stage(self, snapshot: dict) -> dict:
         """A copy of `snapshot` in CPU memory (pinned on CUDA), into the buffers of the previous
         copy when the structure is the same (DCP's own staging helpers: DTensors stay DTensors)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
         if self._staged is not None:
             try:
                 return _copy_state_dict(snapshot, self._staged)
-            except (AssertionError, KeyError, RuntimeError, TypeError, ValueError):  # another structure: new buffers
+            except (AssertionError, CompanionMismatch, KeyError, RuntimeError, TypeError, ValueError):  # another structure: new buffers
                 pass
         self._staged = _tie(snapshot, _create_cpu_state_dict(snapshot, pin_memory=self.comm.device.type == "cuda"))
         return _copy_state_dict(snapshot, self._staged)
@@ -477,20 +516,27 @@ class CheckpointManager:
         """Every rank: write `snapshot` with DCP into `tmp`; the coordinator publishes it (inside
         DCP's finish, so that any failure there reaches every rank), then prunes."""
         published: list[Path] = []
+        model, half, model_sha = snapshot["model"], None, None
+        whole = all(type(t) is torch.Tensor for t in model.values())
+        if self.comm.is_main and whole:
+            # From the same snapshot, beside the state files' write: the fp16 file and the weights' identity.
+            tmp.mkdir(parents=True, exist_ok=True)
+            half = _hasher.submit(write_half, tmp / storage.WEIGHTS_FILE, model, background)
+            model_sha = _hasher.submit(storage.model_sha256, model, self.meta.architecture)
 
         def publish(entries: dict, metadata) -> None:
-            model = snapshot["model"]
-            if not all(type(t) is torch.Tensor for t in model.values()):  # shards (DTensors): read them back, whole
-                model = format.read_tensors(tmp, entries, metadata, "model.")
-            # The weights' sha256 (only the manifest needs it) in a thread of its own while the fp16 file is written.
-            model_sha = _hasher.submit(storage.model_sha256, model, self.meta.architecture)
+            nonlocal half, model_sha
+            if half is None:  # shards (DTensors): read back whole, once every rank's are on disk
+                whole_model = format.read_tensors(tmp, entries, metadata, "model.")
+                model_sha = _hasher.submit(storage.model_sha256, whole_model, self.meta.architecture)
+                half = _hasher.submit(write_half, tmp / storage.WEIGHTS_FILE, whole_model, background)
             for path in self.durable:  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
                 if path.exists():
                     fsync_path(path)
             manifest = {**snapshot["train"], **self.meta.record(), "model_sha256": model_sha, "identity": storage.IDENTITY,
                         "created_unix": time.time()}
-            files = {storage.WEIGHTS_FILE: half_weights(model, single_thread=background), **self.meta.files}
-            final = storage.publish(self.root, step, files, manifest, tmp=tmp, written=entries)
+            written = {**entries, storage.WEIGHTS_FILE: half}
+            final = storage.publish(self.root, step, dict(self.meta.files), manifest, tmp=tmp, written=written)
             self.owned.add(final)
             pruned = storage.prune(self.root, self.cfg.keep, self.owned)
             published.append(final)
@@ -502,6 +548,8 @@ class CheckpointManager:
         except format.errors() as e:  # DCP gathered every rank's failure: every rank raises alike
             raise dcp_failure(e, f"saving step {step}") from None
         finally:
+            if half is not None:
+                concurrent.futures.wait([half])  # done writing into tmp before it is removed (its error, if any, was raised)
             if self.comm.is_main and not published and tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -534,7 +582,8 @@ class CheckpointManager:
             raise self._failure() if self._error is not None else storage.CheckpointError("a background save failed on another rank")
 
 
-_hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-model-sha")
+_hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-half")
+"""The fp16 weights file and the weights' identity, each in a thread beside the state files' write."""
 
 
 def new_run_id() -> str:

@@ -34,16 +34,25 @@ from .format import METADATA, STATE
 
 CHECKPOINTS = "checkpoints"
 """The run folder's sub-folder of step folders (run/folder.py names the rest of the run folder)."""
-WEIGHTS_FILE = "weights_fp16.pth"
+WEIGHTS_FILE = "weights_fp16.safetensors"
+"""The fp16 weights for inference (format 3): a safetensors file, so that any Hugging Face tool reads it."""
+OLD_WEIGHTS_FILE = "weights_fp16.pth"
+"""The same of a format-2 checkpoint: a torch.save state dict (read with weights_only=True)."""
+ALIASES = "aliases"
+"""The weights file's safetensors metadata key: JSON {name: the name whose tensor it shares} (tied
+embeddings are one tensor in memory, written once)."""
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A run's tokenizer files, copied as they are into each checkpoint when the run has them."""
-FILES = frozenset({WEIGHTS_FILE, *TOKENIZER_FILES})
+FILES = frozenset({WEIGHTS_FILE, OLD_WEIGHTS_FILE, *TOKENIZER_FILES})
 """The only plain names a manifest may list: a manifest never decides which files are opened."""
 STATE_NAME = re.compile(rf"^{STATE}/(__\d{{1,6}}_\d{{1,6}}\.distcp|\{METADATA})$")
 """...besides DCP's files in state/ (checkpoint/format.py)."""
-FORMAT = 2
-"""Of the manifest: 2 holds every state in state/ (DCP); 1 was the layout of a resume.pth file."""
+FORMAT = 3
+"""Of the manifest: 3 holds every state in state/ (DCP) with every tensor's bytes raw (checkpoint/format.py);
+2, the same with every item a torch.save record (still read); 1 was the layout of a resume.pth file."""
+READS = (2, 3)
+"""The manifest formats this trainer loads."""
 CONVERT = "python -m checkpoint convert"
 log = logging.getLogger("minimind")
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -88,7 +97,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
     A `manifest` value may be a Future (a hash computed while the files are written): it is awaited
     once the files are on disk, before the manifest is written. `tmp` and `written`: a temporary
     folder (new_temporary) that already holds files written and fsynced by every rank (the states,
-    checkpoint/format.py), with their manifest entries; they are listed with the rest.
+    checkpoint/format.py), with their manifest entries (or Futures of them: a file still being
+    written in a thread, awaited here); they are listed with the rest.
 
     On any failure the temporary folder is removed, nothing new is visible, and the error (with the
     path and the cause) propagates.
@@ -97,7 +107,8 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
     final = root / step_dir_name(step)
     try:
         tmp = tmp or new_temporary(root, step)
-        entries, fsyncs = dict(written or {}), []
+        entries = {name: e.result() if isinstance(e, Future) else e for name, e in (written or {}).items()}
+        fsyncs = []
         for sub in {Path(name).parent for name in entries} - {Path(".")}:
             fsync_path(tmp / sub)  # the state files' names are durable in their folder
         try:
@@ -329,8 +340,8 @@ def read_manifest(folder: Path) -> dict:
     if body.get("format") == 1:
         raise OldLayout(f"{folder}: written in the earlier layout (a resume.pth file, manifest format 1), which this trainer "
                         f"no longer loads; convert it once, in place (nothing is deleted): {CONVERT} {folder.parent.parent}")
-    if body.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads format {FORMAT}")
+    if body.get("format") not in READS:
+        raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads formats {', '.join(map(str, READS))}")
     for name, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
         if name not in FILES and not STATE_NAME.match(name):

@@ -56,7 +56,9 @@ AIMS = {
     "async stall / sync stall": ("<=", 0.2),
     "sync save / max(best raw write, sha256 of the bytes)": ("<=", 1.15),
     "verified load / raw read + sha256": ("<=", 1.3),
-    "async stall / copy into preallocated buffers": ("<=", 1.5),
+    "verified read of the states in place / raw read + sha256": ("<=", 1.0),
+    "async stall / copy into preallocated buffers": ("<=", 1.2),
+    "step-folder bytes / tensor bytes": ("<=", 1.01),
     "throughput, async save every 10 / none": (">=", 0.97),
     "resume at 90% / at 0% of an epoch": ("<=", 1.1),
     "our loop / minimal loop (speed)": (">=", 0.95),
@@ -625,14 +627,33 @@ def throughput(rows: list[dict], skip: int, tokens_per_step: int) -> float:
 
 
 
+def shape_104m() -> ModelConfig:
+    """MiniMind2's 104M shape (dim 768, 16 layers, 8 heads, 2 KV heads, FFN 2048) with its 6,400-id
+    vocabulary: about 4x the 26M rows' model."""
+    cfg = small_model()
+    cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim = 768, 16, 8, 2, 2048
+    return cfg
+
+
+def safetensors_tensor_bytes(path: Path) -> int:
+    """Bytes of the tensors a safetensors file holds (from its header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
+
+
 def checkpoint_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path, aimed: bool) -> list[dict]:
-    """Our one save path (DCP with our hashing writer, publish, fp16 weights, manifest) on the same
-    state, interleaved round by round with its floors: a sync save against the raw write of the
-    same bytes and their sha256, a verified load against a raw read + sha256 of the same files
-    (page cache dropped before each), the async stall against the sync one and against a copy into
-    preallocated buffers; the step folder's bytes against the old format's (one torch.save resume
-    file + the fp16 weights)."""
+    """Our one save path (DCP with our raw-bytes writer, publish, fp16 safetensors, manifest) on the
+    same state, interleaved round by round with its floors: a sync save against the raw write of the
+    same bytes and their sha256, a verified load (and the states' read into place alone) against a
+    raw read + sha256 of the same files (page cache dropped before each), the async stall against the
+    sync one and against a copy into preallocated buffers (its parts timed one by one); the step
+    folder's bytes against the bytes of the tensors it holds and against the old one-file format's."""
     import torch.distributed.checkpoint as dcp
+
+    from checkpoint import format
+    from checkpoint import states as rng
 
     model, opt = trained_states(mcfg)
     cfg = load_config(None, SMALL)
@@ -644,77 +665,112 @@ def checkpoint_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path, aime
     out = work / f"ckpt-{label}"
     mgr = CheckpointManager(CheckpointConfig(interval=1, keep=2), out, Runtime(), meta)
     amgr = CheckpointManager(CheckpointConfig(interval=1, keep=2, async_=True), work / f"ckpt-async-{label}", Runtime(), meta)
-    save_t, buffered_t, direct_t, hash_t, load_t, read_t, stall_t, sync_t, copy_t, dcp_t = ([] for _ in range(10))
+    times: dict[str, list[float]] = {k: [] for k in ("save", "buffered", "direct", "hash", "load", "read", "inplace", "stateread", "stall",
+                                                     "sync", "copy", "dcp", "rng", "model_sd", "optim_sd", "stage")}
     buffers, cache, files = [], "", []
+
+    def fresh_states() -> dict:
+        fresh_model = MiniMindLM(mcfg)
+        fresh_opt = make_optimizer(fresh_model, load_config(None).train)
+        return {"model": ModelState(fresh_model), "optimizer": OptimizerState(fresh_model, fresh_opt), "train": TrainState()}
+
+    def timed(key: str, fn):
+        t0 = time.perf_counter()
+        got = fn()
+        times[key].append(time.perf_counter() - t0)
+        return got
+
     for r in range(repeat):
         s, seconds = timed_save(mgr, states, step)
-        save_t.append(seconds)
+        times["save"].append(seconds)
         folder = out / storage.CHECKPOINTS / storage.step_dir_name(s)
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         contents = {str(p.relative_to(folder)).replace("/", "_"): p.read_bytes() for p in files}
-        buffered_t.append(raw_write_overlapped(work / f"raw-{label}-{r}", contents))
+        times["buffered"].append(raw_write_overlapped(work / f"raw-{label}-{r}", contents))
         direct = raw_write_direct(work / f"direct-{label}-{r}", contents)
         if direct is not None:
-            direct_t.append(direct)
-        t0 = time.perf_counter()
-        for data in contents.values():  # one core, as our save hashes in a helper thread
-            hashlib.sha256(data).hexdigest()
-        hash_t.append(time.perf_counter() - t0)
-        fresh_model = MiniMindLM(mcfg)
-        fresh_opt = make_optimizer(fresh_model, load_config(None).train)
-        fresh = {"model": ModelState(fresh_model), "optimizer": OptimizerState(fresh_model, fresh_opt), "train": TrainState()}
+            times["direct"].append(direct)
+        timed("hash", lambda: [hashlib.sha256(data).hexdigest() for data in contents.values()])  # one core
+        del contents
+        fresh = fresh_states()
         loader = CheckpointManager(CheckpointConfig(interval=1, keep=2, resume=str(folder)), out, Runtime(), meta)
         cache = drop_page_cache(files)
-        t0 = time.perf_counter()
-        loader.load(fresh)
-        load_t.append(time.perf_counter() - t0)
+        timed("load", lambda: loader.load(fresh))
         assert fresh["train"].step == s
         drop_page_cache(files)
-        read_t.append(raw_read_and_hash(files))
-        sync_t.append(timed_save(mgr, states, step)[1])
-        stall_t.append(timed_save(amgr, states, step)[1])
+        times["read"].append(raw_read_and_hash(files))
+        # The states alone, read into place: DCP's load through our reader into a fresh structure (made beforehand).
+        manifest = storage.verify(folder)
+        metadata = storage.read_metadata(folder, manifest)
+        target = {name: obj.state_dict() for name, obj in fresh_states().items()}
+        state_files = [p for p in files if p.parent.name == format.STATE and p.name != format.METADATA]
+        drop_page_cache(files)
+        timed("inplace", lambda: format.load(target, folder, manifest["files"], metadata, no_dist=True))
+        drop_page_cache(files)
+        times["stateread"].append(raw_read_and_hash(state_files))
+        times["sync"].append(timed_save(mgr, states, step)[1])
+        times["stall"].append(timed_save(amgr, states, step)[1])
         amgr.wait()
-        copy_t.append(preallocated_copy({"model": model, "optimizer": opt}, buffers))
+        times["copy"].append(preallocated_copy({"model": model, "optimizer": opt}, buffers))
+        # The stall's parts, one by one: the RNG gather, each state_dict call, the copy into the reused buffers.
+        timed("rng", lambda: amgr.comm.gather(rng.rng_blob(amgr.comm.device)))
+        model_sd = timed("model_sd", states["model"].state_dict)
+        optim_sd = timed("optim_sd", states["optimizer"].state_dict)
+        snap = {"model": model_sd, "optimizer": optim_sd, "train": states["train"].state_dict(),
+                "rng": {"0": rng.rng_blob(amgr.comm.device)}}
+        timed("stage", lambda: amgr._stage(snap))
         plain = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         t0 = time.perf_counter()
         dcp.save(plain, checkpoint_id=str(work / f"dcp-{label}-{r}"), no_dist=True)
-        dcp_t.append(time.perf_counter() - t0)
+        times["dcp"].append(time.perf_counter() - t0)
         shutil.rmtree(work / f"dcp-{label}-{r}", ignore_errors=True)
     amgr.drain()
     new_bytes = folder_bytes(folder)
+    metadata = storage.read_metadata(folder, storage.verify(folder))
+    tensors = format.tensor_bytes(metadata, "") + safetensors_tensor_bytes(folder / storage.WEIGHTS_FILE)
     old = work / f"old-{label}.pth"
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "train": {"step": 1}}, old)
     old_bytes = old.stat().st_size + (folder / storage.WEIGHTS_FILE).stat().st_size + (folder / storage.MANIFEST).stat().st_size
     old.unlink()
-    med = statistics.median
-    best_raw = min(med(buffered_t), med(direct_t)) if direct_t else med(buffered_t)
-    floor = max(best_raw, med(hash_t))  # a verified save writes every byte and hashes every byte
-    direct_ms = f"{med(direct_t) * 1e3:.0f} ms" if direct_t else "refused by this filesystem"
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    best_raw = min(med["buffered"], med["direct"]) if "direct" in med else med["buffered"]
+    floor = max(best_raw, med["hash"])  # a verified save writes every byte and hashes every byte
     params = model.num_parameters()
+    mb = new_bytes / 1e6
+    direct_ms = f"{med['direct'] * 1e3:.0f} ms ({mb / med['direct']:.0f} MB/s)" if "direct" in med else "refused by this filesystem"
     rows = [
-        {"row": f"checkpoint write, {label} ({params / 1e6:.1f}M params, {new_bytes / 2**20:.0f} MiB: DCP state + fp16 weights + manifest)",
-         "what": "sync save / max(best raw write, sha256 of the bytes)", "value": med(save_t) / floor,
+        {"row": f"checkpoint write, {label} ({params / 1e6:.1f}M params, {new_bytes / 2**20:.0f} MiB: states + fp16 safetensors + manifest)",
+         "what": "sync save / max(best raw write, sha256 of the bytes)", "value": med["save"] / floor,
          "aim": "sync save / max(best raw write, sha256 of the bytes)",
-         "detail": f"{med(save_t) * 1e3:.0f} ms ours / {floor * 1e3:.0f} ms floor; raw writes of the same bytes + fsyncs: buffered "
-                   f"with writeback started per 4 MiB block {med(buffered_t) * 1e3:.0f} ms, O_DIRECT 4 MiB blocks {direct_ms}; sha256 "
-                   f"of the bytes on one core {med(hash_t) * 1e3:.0f} ms (medians of {repeat} interleaved rounds)"},
+         "detail": f"{med['save'] * 1e3:.0f} ms ours ({mb / med['save']:.0f} MB/s) / {floor * 1e3:.0f} ms floor; raw writes of the same "
+                   f"bytes + fsyncs: buffered with writeback started per 4 MiB block {med['buffered'] * 1e3:.0f} ms "
+                   f"({mb / med['buffered']:.0f} MB/s), O_DIRECT 4 MiB blocks {direct_ms}; sha256 of the bytes on one core {med['hash'] * 1e3:.0f} ms (medians of {repeat} interleaved rounds)"},
         {"row": f"checkpoint write, {label}", "what": "ours sync / bare dcp.save of the same state",
-         "value": med(sync_t) / med(dcp_t),
-         "detail": f"{med(sync_t) * 1e3:.0f} ms / {med(dcp_t) * 1e3:.0f} ms (ours also hashes every byte, fsyncs, writes the fp16 "
+         "value": med["sync"] / med["dcp"],
+         "detail": f"{med['sync'] * 1e3:.0f} ms / {med['dcp'] * 1e3:.0f} ms (ours also hashes every byte, fsyncs, writes the fp16 "
                    f"weights and the manifest, publishes atomically)"},
-        {"row": f"checkpoint load, verified, {label}", "what": "verified load / raw read + sha256", "value": med(load_t) / med(read_t),
+        {"row": f"checkpoint load, verified, {label}", "what": "verified load / raw read + sha256", "value": med["load"] / med["read"],
          "aim": "verified load / raw read + sha256",
-         "detail": f"{med(load_t) * 1e3:.0f} ms into a fresh model + optimizer / {med(read_t) * 1e3:.0f} ms to read and hash the "
-                   f"same files (page cache dropped with {cache} before each)"},
-        {"row": f"stall per save, {label}, 1 process (ddp)", "what": "async stall / sync stall", "value": med(stall_t) / med(sync_t),
-         "aim": "async stall / sync stall", "detail": f"{med(stall_t) * 1e3:.1f} ms / {med(sync_t) * 1e3:.1f} ms"},
-        {"row": f"async stall, {label}", "what": "async stall / copy into preallocated buffers", "value": med(stall_t) / med(copy_t),
+         "detail": f"{med['load'] * 1e3:.0f} ms into a fresh model + optimizer (DCP's optimizer-state init, a zero-gradient step, "
+                   f"included) / {med['read'] * 1e3:.0f} ms to read and hash the same files (page cache dropped with {cache} before each)"},
+        {"row": f"checkpoint states read in place, verified, {label}", "what": "verified read of the states in place / raw read + sha256",
+         "value": med["inplace"] / med["stateread"], "aim": "verified read of the states in place / raw read + sha256",
+         "detail": f"{med['inplace'] * 1e3:.0f} ms for DCP's load through our reader into a fresh structure made beforehand / "
+                   f"{med['stateread'] * 1e3:.0f} ms to read and hash the same state files (page cache dropped before each)"},
+        {"row": f"stall per save, {label}, 1 process (ddp)", "what": "async stall / sync stall", "value": med["stall"] / med["sync"],
+         "aim": "async stall / sync stall", "detail": f"{med['stall'] * 1e3:.1f} ms / {med['sync'] * 1e3:.1f} ms"},
+        {"row": f"async stall, {label}", "what": "async stall / copy into preallocated buffers", "value": med["stall"] / med["copy"],
          "aim": "async stall / copy into preallocated buffers",
-         "detail": f"{med(stall_t) * 1e3:.0f} ms / {med(copy_t) * 1e3:.0f} ms to copy every tensor of the same state into buffers "
-                   f"allocated beforehand"},
+         "detail": f"{med['stall'] * 1e3:.0f} ms / {med['copy'] * 1e3:.0f} ms to copy every tensor of the same state into buffers "
+                   f"allocated beforehand; the stall's parts: RNG gather {med['rng'] * 1e3:.1f} ms, model state_dict "
+                   f"{med['model_sd'] * 1e3:.1f} ms, optimizer state_dict {med['optim_sd'] * 1e3:.1f} ms, copy into the reused buffers "
+                   f"{med['stage'] * 1e3:.0f} ms"},
+        {"row": f"step folder on disk, {label}", "what": "step-folder bytes / tensor bytes", "value": new_bytes / tensors,
+         "aim": "step-folder bytes / tensor bytes",
+         "detail": f"{new_bytes:,} bytes (state/ .metadata + one .distcp, fp16 safetensors, manifest) / {tensors:,} bytes of the "
+                   f"tensors they hold (fp32 states + fp16 weights)"},
         {"row": f"step folder on disk, {label}", "what": "new format / old format, bytes", "value": new_bytes / old_bytes,
-         "detail": f"{new_bytes / 2**20:.1f} MiB (state/ .metadata + one .distcp, fp16 weights, manifest) / {old_bytes / 2**20:.1f} MiB "
-                   f"(one torch.save resume file, fp16 weights, manifest)"},
+         "detail": f"{new_bytes / 2**20:.1f} MiB / {old_bytes / 2**20:.1f} MiB (one torch.save resume file, fp16 weights, manifest)"},
     ]
     for row in rows:
         row["aim"] = row.get("aim") if aimed else None
@@ -1597,6 +1653,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "checkpoint": lambda: [*resume_rows(10_000_000),  # first: its peak-RSS figure needs a process that has not peaked yet
                                *checkpoint_rows("26M", small_model(), 3 if q else 5, work, aimed=True),
+                               *checkpoint_rows("104M", shape_104m(), 2 if q else 3, work, aimed=True),
                                *([] if q else stop_rows(work))],
         "throughput": lambda: throughput_rows(20 if q else 40, 2 if q else 4, work),
         "loop": lambda: [*loop_rows(15 if q else 30, 2 if q else 4, work), *reduce_rows(15 if q else 30, work)],

@@ -13,7 +13,7 @@ from model import MiniMindLM
 from model.formats import WeightsError, check_fits
 from model.lora import attach
 
-from .sources import checkpoint_base, lora_of, model_config
+from .sources import _safetensors, checkpoint_base, lora_of, model_config
 
 
 def tokenizer_files(folder: Path, manifest: dict) -> dict[str, bytes]:
@@ -31,6 +31,19 @@ def load_tokenizer(path: Path):
         raise storage.CheckpointError(str(e)) from None
 
 
+def fp16_weights(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint's fp16 weights file, read once and verified: the safetensors file (format 3; a
+    tensor written once under two names given back under both) or a format-2 checkpoint's
+    torch.save file (weights_only)."""
+    if storage.WEIGHTS_FILE not in manifest["files"] and storage.OLD_WEIGHTS_FILE in manifest["files"]:
+        name = storage.OLD_WEIGHTS_FILE
+        return storage.safe_load_bytes(storage.read_verified(folder, name, manifest), folder / name)
+    try:
+        return _safetensors(storage.read_verified(folder, storage.WEIGHTS_FILE, manifest), folder / storage.WEIGHTS_FILE)
+    except WeightsError as e:  # a verified file that a forged manifest vouches for
+        raise storage.CheckpointError(str(e)) from None
+
+
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, fp32: bool = False) -> MiniMindLM:
     """The model of a checkpoint (or a run folder's newest), from its fp16 weights file (`fp32`: from
     its fp32 states, the weights as trained).
@@ -44,7 +57,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if fp32:
         weights = storage.read_tensors(folder, manifest, "model.")
     else:
-        weights = storage.safe_load_bytes(storage.read_verified(folder, storage.WEIGHTS_FILE, manifest), folder / storage.WEIGHTS_FILE)
+        weights = fp16_weights(folder, manifest)
     model = MiniMindLM(cfg)
     lora = lora_of(manifest)
     if lora.rank:

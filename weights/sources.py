@@ -2,7 +2,7 @@
 the same bytes (nothing pickled runs: `weights_only=True` or safetensors):
   - one of our checkpoint folders, or a run folder (its newest valid checkpoint): the fp32 weights
     of the resume file, verified against the manifest;
-  - one of our fp16 weights files (`weights_fp16.pth`);
+  - one of our fp16 weights files (`weights_fp16.safetensors`, or a format-2 checkpoint's `weights_fp16.pth`);
   - a MiniMind2 state dict (`.pth`, MiniMind2's key names: `model.embed_tokens`, ...);
   - a Hugging Face Llama folder (`config.json` + `model.safetensors`), as `export --format hf` writes.
 A LoRA run's checkpoint (train.lora) holds its adapters only: its weights are its base's (read from
@@ -39,12 +39,20 @@ def read_bytes_of(path: Path, key: str = "model.init_from") -> bytes:
 
 
 def _safetensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a name our fp16 weights file records as an alias (a tied tensor,
+    written once: storage.ALIASES) given the tensor it names."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     try:
-        return load(data)
-    except (SafetensorError, ValueError) as e:
+        state = load(data)
+        meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+        aliases = json.loads(meta.get(storage.ALIASES, "{}"))
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) and v in state for v in aliases.values()):
+            raise ValueError(f"its {storage.ALIASES} {aliases!r} name tensors it does not hold")
+        state.update({name: state[target] for name, target in aliases.items()})
+        return state
+    except (SafetensorError, ValueError, UnicodeDecodeError, AttributeError) as e:
         raise WeightsError(f"{path}: not a safetensors file ({e})") from None
 
 
