@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "objective": ("pretrain", "sft", "lora", "dpo_live", "dpo_pre", "grpo", "cispo2", "distill"),
+    "objective": ("pretrain", "mix", "sft", "lora", "dpo_live", "dpo_pre", "grpo", "cispo2", "dapo", "ppo", "agent", "distill"),
     "source": ("seeded", "run", "hf", "pth", "peft"),
     "model": ("minimind2", "minimind3", "moe"),
     "strategy": ("ddp", "fsdp"),
@@ -34,8 +34,10 @@ COST = {"eager": 0, "compiled": 1}
 
 # Refusal rules: (name, predicate, the keys the refusal must name).
 REFUSALS = (
-    ("grpo-under-fsdp", lambda c: c["objective"] in ("grpo", "cispo2") and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
+    ("grpo-under-fsdp", lambda c: c["objective"] in ("grpo", "cispo2", "dapo", "agent") and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
      ("train.objective=grpo", "dist.strategy=fsdp")),
+    ("ppo-under-fsdp", lambda c: c["objective"] == "ppo" and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
+     ("train.objective=ppo", "dist.strategy=fsdp")),
 )
 
 
@@ -115,7 +117,7 @@ def overrides(case: Case, data: dict[str, list[str]], sources: dict[str, str]) -
     """The case's config overrides, but the strategy (from `geometry`). `data`: the overrides of each
     objective's corpus; `sources`: "run", "hf", "pth", "peft" -> the path of that source for this model."""
     obj = case["objective"]
-    out = [*COMMON, *MODELS[case["model"]], *data["dpo" if obj.startswith("dpo") else "grpo" if obj in ("grpo", "cispo2") else obj]]
+    out = [*COMMON, *MODELS[case["model"]], *data["dpo" if obj.startswith("dpo") else "grpo" if obj in ("grpo", "cispo2", "dapo") else obj]]
     if case["resume"] != "same":
         out.append("dist.reduce=canonical")  # another world size or strategy: the bits of one process (docs/design.md)
     if obj == "lora":
@@ -124,6 +126,8 @@ def overrides(case: Case, data: dict[str, list[str]], sources: dict[str, str]) -
         out.append("train.dpo.precompute=false")
     if obj == "cispo2":
         out += ["train.grpo.loss=cispo", "train.grpo.updates_per_rollout=2"]
+    if obj == "dapo":  # TRL's default: token-level over the global batch, batch-scaled rewards, truncations masked
+        out += ["train.grpo.loss=dapo", "train.grpo.scale_rewards=batch", "train.grpo.mask_truncated=true", "train.grpo.updates_per_rollout=2"]
     src = case["source"]
     if src == "peft":
         out += [f"model.init_from={sources['run']}", f"train.lora.init_from={sources['peft']}"]

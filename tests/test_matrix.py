@@ -22,6 +22,7 @@ def _inputs(out: Path, corpus: Path) -> None:
     distillation's teacher, an MoE of twice the width (2 steps on the text)."""
     from test_chat import conversations
     from test_dpo import pairs, write
+    from test_agent import AGENT_MODULE, TOOL_SCHEMAS
     from test_grpo import REWARD
 
     out.mkdir(parents=True)
@@ -31,6 +32,10 @@ def _inputs(out: Path, corpus: Path) -> None:
     words = "red blue green cat dog sun moon tree river stone bird fish".split()
     write(out / "prompts.jsonl", [{"prompt": f"Say {w}.", "answer": w} for w in words] * 2)
     (out / "rewards.py").write_text(REWARD)
+    (out / "corpus2.txt").write_text("".join(reversed(corpus.read_text().splitlines(keepends=True))))
+    write(out / "agent.jsonl", [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "tools": TOOL_SCHEMAS,
+                                 "gt": [str(a + b)]} for a, b in [(3, 4), (12, 7), (5, 5), (40, 2), (9, 9), (1, 30)]] * 2)
+    (out / "agent_tools.py").write_text(AGENT_MODULE)
     launch.run(0, *matrix.COMMON, *data_overrides(out)["pretrain"], *TEACHER, "train.steps=2", f"out_dir={out / 'teacher'}")
 
 
@@ -49,6 +54,16 @@ def data_overrides(inputs: Path) -> dict[str, list[str]]:
         "grpo": [f"data.path={inputs / 'prompts.jsonl'}", "data.format=prompts", "train.objective=grpo", cache,
                  "train.global_batch=12", "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
                  f"train.grpo.reward={inputs / 'rewards.py'}:vowels"],
+        "mix": [f"data.mix=[{{path: {inputs / 'corpus.txt'}, weight: 2, name: a}}, {{path: {inputs / 'corpus2.txt'}, weight: 1, name: b}}]",
+                cache, "train.global_batch=12", "train.micro_batch=2"],
+        "ppo": [f"data.path={inputs / 'prompts.jsonl'}", "data.format=prompts", "train.objective=ppo", cache,
+                "train.global_batch=12", "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
+                f"train.grpo.reward={inputs / 'rewards.py'}:vowels", "train.ppo.updates_per_rollout=2"],
+        "agent": [f"data.path={inputs / 'agent.jsonl'}", "data.format=agent", "train.objective=grpo", cache,
+                  "train.global_batch=12", "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
+                  "train.grpo.updates_per_rollout=2", f"train.grpo.reward={inputs / 'agent_tools.py'}:episode",
+                  f"train.agent.tools={inputs / 'agent_tools.py'}:double,{inputs / 'agent_tools.py'}:broken",
+                  f"train.agent.parser={inputs / 'agent_tools.py'}:calls", "train.agent.max_turns=3"],
         "distill": [f"data.path={inputs / 'corpus.txt'}", cache, "train.global_batch=12", "train.micro_batch=2",
                     "train.objective=distill", f"train.distill.teacher={inputs / 'teacher'}"],
     }
