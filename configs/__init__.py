@@ -249,6 +249,10 @@ class Config:
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
         pairs = {"dpo": "preference", "grpo": "agent" if self.data.format == "agent" else "prompts", "ppo": "prompts"}
+        if self.data.format == "agent" and self.train.grpo.reward in ("answer", "answer_partial"):
+            raise ConfigError(f"train.grpo.reward={self.train.grpo.reward} with data.format=agent: it reads a line's \"answer\" "
+                              "field, which agent lines do not have (their ground truth is gt): use minimind_agent (MiniMind's agent "
+                              "reward) or a module:function")
         if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "

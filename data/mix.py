@@ -60,6 +60,11 @@ def parse_mix(entries: list, fmt: str = "text") -> list[Source]:
             raise ValueError(f"{key}: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
         name = str(e.get("name") or str(e["path"]).rstrip("/").split("/")[-1].split(".")[0])
         weight = e.get("weight", 1.0)
+        if isinstance(weight, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; train.lr=1e-3 is a number too
+            try:
+                weight = float(weight)
+            except ValueError:
+                pass
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
             raise ValueError(f"{key}.weight: expected a number > 0, got {weight!r}")
         if not NAME.match(name) or name in RESERVED:
@@ -156,6 +161,10 @@ class MixOrder:
         """Continue from a checkpoint's position; a new phase when the sources or weights changed.
         Returns the line that says so (None: the same phase). A DataError for a refused change."""
         gone = sorted(set(saved["counts"]) - set(self.names))
+        unknown = sorted(drop - set(saved["counts"]))
+        if unknown:
+            raise DataError(f"data.mix_drop: {unknown[0]!r} is no source of the checkpoint's mix ({', '.join(sorted(saved['counts']))}): "
+                            f"name one that was in it")
         refused = [n for n in gone if n not in drop]
         if refused:
             raise DataError(f"data.mix: source {refused[0]!r} was in the mix at step {saved['step']} and is not now: removing a "

@@ -62,6 +62,8 @@ class RopeScaling:
         _need(self.type in ("none", "yarn"), f"model.rope_scaling.type: expected none or yarn (MiniMind-3's and Qwen3's "
                                              f"YaRN), got {self.type!r}")
         _need(self.factor >= 1, f"model.rope_scaling.factor: expected a number >= 1 (how much longer the context is), got {self.factor}")
+        _need(self.type != "yarn" or self.factor > 1, "model.rope_scaling.factor: type yarn needs a factor > 1 (how much longer the "
+                                                       f"context is; at {self.factor} YaRN changes nothing)")
         _need(self.original_max_position_embeddings > 0, f"model.rope_scaling.original_max_position_embeddings: expected a "
                                                          f"positive integer, got {self.original_max_position_embeddings}")
         _need(self.beta_fast > 0 and self.beta_slow > 0 and self.attention_factor > 0,

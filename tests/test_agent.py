@@ -420,7 +420,8 @@ def test_bad_agent_input_exits_2_naming_it(agent_task, tmp_path):
              (agent_task, ["train.agent.tools=calculator"], "train.agent.tools: 'calculator' is neither a built-in one"),
              (agent_task, ["train.agent.parser=no_such_parser_module:f"], "train.agent.parser: no_such_parser_module does not import"),
              (agent_task, ["train.agent.max_turns=0"], "train.agent.max_turns must be >= 1"),
-             (agent_task, ["train.objective=next_token"], "train.objective=next_token with data.format=agent")]
+             (agent_task, ["train.objective=next_token"], "train.objective=next_token with data.format=agent"),
+             (agent_task, ["train.grpo.reward=answer"], "train.grpo.reward=answer with data.format=agent")]
     for task, extra, expected in cases:
         code, err = launch.in_process(*agent_base(task, tmp_path / "cache"), *extra, f"out_dir={tmp_path / 'bad'}")
         assert code == 2 and expected in err and "Traceback" not in err, (extra, expected, err[-2000:])

@@ -61,6 +61,7 @@ def test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_it
     ("{path: x.jsonl, name: a/b}", r"data.mix\[0\].name: 'a/b' cannot name a source"),
     ("{path: x.jsonl, name: a, format: chat}", r"data.mix\[0\].format: 'chat'"),
     ("{path: x.jsonl, name: a, size: 3}", r"data.mix\[0\]: unknown key 'size'"),
+    ("{path: x.jsonl, name: a, weight: 1e-3}", r"x.jsonl"),  # YAML 1.1's string '1e-3' read as the number: the path is what fails
 ])
 def test_a_bad_mix_exits_2_naming_the_key(tmp_path, entry, match):
     code, err = launch.in_process(f"data.mix=[{entry}]", f"out_dir={tmp_path}")
@@ -139,6 +140,8 @@ def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(t
     assert launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=2")[0] == 0
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3")
     assert code == 2 and "data.mix: source 'b' was in the mix at step 2 and is not now" in err and "data.mix_drop" in err, err
+    code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3", "data.mix_drop=bb")
+    assert code == 2 and "data.mix_drop: 'bb' is no source of the checkpoint's mix (a, b)" in err, err
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3", "data.mix_drop=b")
     assert code == 0 and "data.mix: a new phase from step 2" in err and "dropped b" in err, err
     assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3]

@@ -21,6 +21,7 @@ def yarn(scaling: dict) -> str:
     ("model.rope_scaling={type: linear, factor: 2}", "model.rope_scaling.type: expected none or yarn"),
     ("model.rope_scaling={type: yarn, factor: 0.5}", "model.rope_scaling.factor: expected a number >= 1"),
     ("model.rope_scaling={type: yarn, factor: 2, size: 3}", "unknown key 'model.rope_scaling.size'"),
+    ("model.rope_scaling={type: yarn}", "model.rope_scaling.factor: type yarn needs a factor > 1"),
 ])
 def test_a_rope_scaling_we_do_not_implement_or_a_factor_below_one_exits_2_naming_the_key(tmp_path, bad, expected):
     code, err = launch.in_process(bad, f"out_dir={tmp_path}")
