@@ -78,7 +78,8 @@ class RunMeta:
     config: dict = field(default_factory=dict)
     data_fingerprint: dict = field(default_factory=dict)
     run_id: str = ""
-    must_match: dict[str, str] = field(default_factory=dict)
+    must_match: dict[str, str | tuple[str, object]] = field(default_factory=dict)
+    """(label) or (label, what a checkpoint without the path held: a key newer than the checkpoint)."""
     may_change: dict[str, tuple[str, str]] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
     """Files every checkpoint carries as they are (the run's tokenizer files, so that the checkpoint
@@ -448,8 +449,13 @@ class CheckpointManager:
             source = lookup(tree, f"{dotted}_source")
             return f"{lookup(tree, dotted)}{f' ({source})' if source else ''}"
 
-        def differs(dotted: str, label: str) -> str:
-            then, now = lookup(manifest, dotted), lookup(ours, dotted)
+        def saved(dotted: str):  # what the checkpoint holds; a path newer than it: the value it stood for (a (label, value) entry)
+            then, spec = lookup(manifest, dotted), self.meta.must_match[dotted]
+            return spec[1] if then is None and isinstance(spec, tuple) else then
+
+        def differs(dotted: str, label) -> str:
+            label = label[0] if isinstance(label, tuple) else label
+            then, now = saved(dotted), lookup(ours, dotted)
             if isinstance(then, dict) and isinstance(now, dict):  # e.g. a corpus's files: name the keys that differ
                 parts = [f"{k} {what}" for k, what in (
                     *((k, "is gone") for k in then if k not in now), *((k, "is new") for k in now if k not in then),
@@ -457,7 +463,7 @@ class CheckpointManager:
                 return f"{label}: {', '.join(parts)} since the checkpoint"
             return f"{label} is {said(manifest, dotted)} in the checkpoint, {said(ours, dotted)} in this run"
 
-        diffs = [differs(d, label) for d, label in self.meta.must_match.items() if lookup(manifest, d) != lookup(ours, d)]
+        diffs = [differs(d, label) for d, label in self.meta.must_match.items() if saved(d) != lookup(ours, d)]
         if diffs:
             raise storage.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
 

@@ -3,6 +3,10 @@ warning that says what the change costs), as dotted paths into a checkpoint's ma
 (checkpoint/manager.py: RunMeta) with the name users know."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from model.config import RopeScaling
+
 MUST_MATCH = {
     "config.seed": "seed", "global_batch": "train.global_batch",
     **{f"data_fingerprint.{k}": f"data {k}" for k in ("source_sha256", "files", "tokenizer", "seq_len", "num_samples", "options")},
@@ -44,4 +48,10 @@ def policy(model_keys) -> tuple[dict, dict]:
     """(must_match, may_change) of a run whose model config has `model_keys`: every model key must
     match, but model.init_from, which names where a run began (a resume continues it whatever the
     key says now)."""
-    return MUST_MATCH | {f"config.model.{k}": f"model.{k}" for k in model_keys if k != "init_from"}, MAY_CHANGE
+    return MUST_MATCH | {f"config.model.{k}": (f"model.{k}", NEWER[k]) if k in NEWER else f"model.{k}"
+                         for k in model_keys if k != "init_from"}, MAY_CHANGE
+
+
+NEWER = {"rope_scaling": asdict(RopeScaling())}
+"""Model keys newer than some checkpoints, with what a checkpoint without one ran: plain RoPE before
+model.rope_scaling (checkpoint format 2's runs resume; tests/test_checkpoint_format.py)."""

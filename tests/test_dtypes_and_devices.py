@@ -44,13 +44,13 @@ def test_a_checkpoint_written_on_cuda_loads_on_a_cpu_only_machine(tmp_path):
 
     serialization.register_package(0, as_if_on_cuda, lambda obj, location: None)
     try:
-        torch.save({"model": {"w": torch.arange(4.0)}}, tmp_path / storage.WEIGHTS_FILE)
+        torch.save({"model": {"w": torch.arange(4.0)}}, tmp_path / storage.OLD_WEIGHTS_FILE)  # format 2's pickled fp16 file
     finally:
         serialization._package_registry[:] = [p for p in serialization._package_registry if p[1] is not as_if_on_cuda]
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
-            torch.load(tmp_path / storage.WEIGHTS_FILE, weights_only=True)  # what a load without map_location does
-    loaded = storage.safe_load(tmp_path / storage.WEIGHTS_FILE)  # ours maps to the CPU first
+            torch.load(tmp_path / storage.OLD_WEIGHTS_FILE, weights_only=True)  # what a load without map_location does
+    loaded = storage.safe_load(tmp_path / storage.OLD_WEIGHTS_FILE)  # ours maps to the CPU first
     assert loaded["model"]["w"].device.type == "cpu" and torch.equal(loaded["model"]["w"], torch.arange(4.0))
 
 
