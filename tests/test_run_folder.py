@@ -53,16 +53,21 @@ def test_a_second_launch_on_a_held_folder_waits_then_refuses_naming_the_holder_a
 
 
 def test_a_relaunch_while_the_first_run_is_inside_a_slowed_save_waits_for_it_and_resumes_exactly(tmp_path, epochs, reference):
-    out = tmp_path / "run"
-    # 2.5 s a file: the first run's two remaining saves (the one it is in, and the stop's) take about
-    # 15 s, far longer than the relaunch needs to reach the lock, however loaded the machine is.
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    # Every file of the first run's saves waits for the gate, opened once the relaunch has reported the
+    # held lock: the window is the test's, not the machine's load.
     first = launch.start(launch.command(2, *epochs, "checkpoint.interval=4", f"out_dir={out}", script=launch.SLOW_SAVE),
-                         tmp_path / "first.log", env={"SLOW_SAVE_S": "2.5"})
+                         tmp_path / "first.log", env={"SLOW_SAVE_UNTIL": str(gate)})
     launch.wait_for(lambda: any((out / "checkpoints").glob(".tmp-step_*")), proc=first)
     launch.kill_tree(first.pid, signal.SIGTERM)  # preempted inside a save; the scheduler relaunches at once
-    second = launch.run(2, *epochs, f"out_dir={out}")
-    first.wait(timeout=120)
-    assert "is held by pid" in second.stderr and "left by an interrupted save" not in second.stderr  # it waited
+    second_log = tmp_path / "second.log"
+    second = launch.start(launch.command(2, *epochs, f"out_dir={out}"), second_log)
+    launch.wait_for(lambda: "is held by pid" in second_log.read_text(), proc=second)  # it waits
+    assert first.poll() is None  # the first is still inside its save
+    gate.touch()
+    first.wait(timeout=120)  # torchrun itself exits 1 on SIGTERM; its workers log the 75 checked below
+    assert second.wait(timeout=launch.TIMEOUT) == 0
+    assert "left by an interrupted save" not in second_log.read_text()
     assert "stopped on SIGTERM" in (tmp_path / "first.log").read_text()  # the first saved and left on its own
     launch.assert_identical(out, reference(2))
 
