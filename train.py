@@ -91,7 +91,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
         runtime.sharding.shard(model, cfg.train.dtype, cfg.dist.reshard_after_forward)
     watch = runtime.speed.apply(model, cfg.train.compile, cfg.train.activation_checkpointing, cfg.runtime.deterministic)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
-    must_match, may_change = policy(to_dict(cfg.model))
+    must_match, may_change = policy(to_dict(cfg.model), cfg.data.resume_seq_len == "repack")
     meta = RunMeta(world_size=rt.world_size, global_batch=plan.global_batch, micro_batch=plan.micro_batch, accum=plan.accum,
                    threads=rt.threads, reduce=cfg.dist.reduce, strategy=cfg.dist.strategy, config=to_dict(cfg),
                    data_fingerprint=fingerprint, run_id=rt.broadcast(new_run_id()), must_match=must_match, may_change=may_change,
@@ -170,11 +170,6 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
     resumed = run.ckpt.load(run.states)
     start_from_weights(cfg, rt, run, resumed, protocol)
     run.objective.start(cfg, rt, run.ckpt.meta, resumed, protocol.agree, run.ckpt.meta.files)
-    if resumed:
-        where, odd = run.train_state.resumed_from(resumed.world_size, resumed.micro_batch, run.plan, run.steps_per_epoch)
-        log.info("%s", where)
-        if odd:
-            log.warning("%s", odd)
     start, out = run.train_state.step, Path(cfg.out_dir)
     opened = []
 
@@ -242,9 +237,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
     """Resume, then the steps until the run ends (finished, halted or stopped, saved), and the closing line."""
     protocol.phase = "resume"
     metrics = resume(cfg, rt, run, protocol)
-    epoch, first = run.train_state.position(run.plan.global_batch, run.steps_per_epoch)
     reducer = make_reducer(cfg, rt, run)
-    sampler = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, (epoch, first))
+    sampler, (epoch, first) = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, run.ckpt)
     step = start = run.train_state.step
     halted = 0 < cfg.train.halt_at <= start
     if halted:

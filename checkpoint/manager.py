@@ -132,6 +132,8 @@ class Resumed:
     world_size: int
     micro_batch: int
     strategy: str
+    data_fingerprint: dict = field(default_factory=dict)
+    """The checkpoint's data fingerprint (what it read: data/repack.py continues a phase from it)."""
 
 
 def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = False) -> dict[str, torch.Tensor]:
@@ -233,6 +235,7 @@ class CheckpointManager:
         """Files whose contents up to a step must be as durable as that step's checkpoint (the metrics)."""
         self.token = comm.broadcast(uuid.uuid4().hex[:8])  # names this launch's temporary folders alike on every rank
         self.owned: set[Path] = set()  # checkpoints this run verified or published: the only ones pruning may delete
+        self.resumed: Resumed | None = None  # what load() found, once it found one
         self._group = None  # the process group of DCP's collectives (see _dcp)
         self._pool: ThreadPoolExecutor | None = None  # one thread for background writes, made at the first
         self._pending: Future | None = None
@@ -439,7 +442,9 @@ class CheckpointManager:
             then, now = lookup(manifest, dotted), lookup(self.meta.record(), dotted)
             if then is not None and then != now:
                 log.warning("%s was %s, now %s: %s", label, then, now, consequence)
-        return Resumed(path, step, manifest["world_size"], manifest["micro_batch"], manifest.get("strategy", "ddp"))
+        self.resumed = Resumed(path, step, manifest["world_size"], manifest["micro_batch"], manifest.get("strategy", "ddp"),
+                               manifest.get("data_fingerprint") or {})
+        return self.resumed
 
     def _check_compatible(self, path: Path, manifest: dict) -> None:
         """A resume whose checkpoint differs in a `must_match` path is an error naming each."""

@@ -155,6 +155,9 @@ class DataConfig:
     it), interleaved by weight; the weights may change on a resume, a new phase (docs/data.md)."""
     mix_drop: str = ""
     """Comma-separated names of sources a resume may drop from data.mix (a removal is refused otherwise)."""
+    resume_seq_len: str = "refuse"
+    """refuse: a resume keeps model.seq_len | repack: a resume may change it, a new phase: the rest of the epoch's tokens
+    repacked at the new length, the corpus at it from the next epoch on (text, next_token, no mix: docs/data.md)."""
 
     def __post_init__(self) -> None:
         _positive("data.num_samples", self.num_samples, zero_ok=True)
@@ -166,6 +169,7 @@ class DataConfig:
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
         choice("data.verify_source", self.verify_source, VERIFY)
+        choice("data.resume_seq_len", self.resume_seq_len, ("refuse", "repack"))
         for parent in (Path(self.cache_dir), *Path(self.cache_dir).parents):
             if parent.exists() or parent.is_symlink():
                 if not parent.is_dir():
@@ -257,6 +261,10 @@ class Config:
             raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
                               f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
                               f"(train.objective=grpo with data.format=prompts), next_token and distill on text or chat")
+        if self.data.resume_seq_len == "repack" and (self.data.mix or self.data.format != "text" or self.train.objective != "next_token"):
+            raise ConfigError(f"data.resume_seq_len=repack with {'data.mix' if self.data.mix else f'data.format={self.data.format}' if self.data.format != 'text' else f'train.objective={self.train.objective}'}: "
+                              "not supported (it repacks one text corpus's token stream for next_token; a chat row or a mix's "
+                              "counts are no stream of tokens): train the new length from model.init_from instead")
         if self.data.mix and self.train.objective != "next_token":
             raise ConfigError(f"data.mix with train.objective={self.train.objective}: a mix trains next_token only")
         if self.train.objective not in ("next_token", "distill") and self.eval.interval:

@@ -44,12 +44,23 @@ MAY_CHANGE = {
 }
 
 
-def policy(model_keys) -> tuple[dict, dict]:
+def policy(model_keys, repack: bool = False) -> tuple[dict, dict]:
     """(must_match, may_change) of a run whose model config has `model_keys`: every model key must
     match, but model.init_from, which names where a run began (a resume continues it whatever the
-    key says now)."""
-    return MUST_MATCH | {f"config.model.{k}": (f"model.{k}", NEWER[k]) if k in NEWER else f"model.{k}"
-                         for k in model_keys if k != "init_from"}, MAY_CHANGE
+    key says now); model.seq_len and the packing at it may change under data.resume_seq_len=repack
+    (`repack`: a new phase, data/repack.py)."""
+    must = MUST_MATCH | {f"config.model.{k}": (f"model.{k}", NEWER[k]) if k in NEWER else f"model.{k}"
+                         for k in model_keys if k != "init_from"}
+    must["config.model.seq_len"] = "model.seq_len (data.resume_seq_len=repack continues at another: docs/data.md)"
+    if not repack:
+        return must, MAY_CHANGE
+    for k in ("config.model.seq_len", "data_fingerprint.seq_len", "data_fingerprint.num_samples"):  # the packing follows seq_len
+        must.pop(k)
+    return must, MAY_CHANGE | {"config.model.seq_len": ("model.seq_len", REPACKED)}
+
+
+REPACKED = ("data.resume_seq_len=repack: the rest of the epoch is repacked at the new length, the corpus from the next epoch on "
+            "(a new phase: bit-identical to a run that made the same change at the same step)")
 
 
 NEWER = {"rope_scaling": asdict(RopeScaling())}
