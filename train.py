@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = "stopped"
         clean = True
     except BaseException as e:
+        stop.settled()
         outcome, message = protocol.conclude(e, stop.signal) if protocol else (outcome_of(e), f"error: {describe_error(e)}")
         level = logging.WARNING if outcome == "stopped" else logging.ERROR
         if rt is None:
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.log(level, "%s; exit %d%s", message, exit_code(outcome), " (resume me)" if outcome == "stopped" else "")
     finally:
+        stop.settled()
         try:
             if lock:
                 folder.finish(lock, outcome, step, message if not clean else None)  # a refused fresh folder: taken back

@@ -312,6 +312,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool):  # YAML 1.1 reads false/no/off as a boolean: the word, so a choice's check lists the values
+            return str(value).lower()
     raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r} ({type(value).__name__})")
 
 

@@ -56,6 +56,8 @@ def policy(model_keys, repack: bool = False) -> tuple[dict, dict]:
         return must, MAY_CHANGE
     for k in ("config.model.seq_len", "data_fingerprint.seq_len", "data_fingerprint.num_samples"):  # the packing follows seq_len
         must.pop(k)
+    must |= {f"config.data.{k}": f"data.{k} (data.resume_seq_len=repack changes the packing's length, not its count)"
+             for k in ("num_samples", "val_samples")}
     return must, MAY_CHANGE | {"config.model.seq_len": ("model.seq_len", REPACKED)}
 
 

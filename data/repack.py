@@ -104,28 +104,33 @@ def phase(saved: dict | None, fingerprint: dict, train_state, global_batch: int,
     n_old, l_old, l_new = int(saved["num_samples"]), int(saved["seq_len"]), int(fingerprint["seq_len"])
     if old and old["epoch"] == epoch:  # the remainder read to its end: nothing of the epoch is left
         n_old = seen = 0
-    done = seen // global_batch * global_batch
-    if done // global_batch >= n_old // global_batch:  # the epoch was read (its tail that fills no batch is never read)
-        spans = np.zeros((0, 2), dtype=np.int64)
-    else:
-        spans = remaining_spans(n_old, l_old, make_order(order, n_old, seed, epoch).take(0, done),
-                                fingerprint["num_samples"] * (l_new + 1))
-    samples = int(spans[:, 1].sum() - spans[:, 0].sum()) // (l_new + 1)
+    done, reads = seen // global_batch * global_batch, n_old // global_batch * global_batch  # its tail fills no batch
     record = {"epoch": epoch, "step": train_state.step, "from_seq_len": l_old, "from_samples": n_old, "consumed": done,
-              "samples": samples}
+              "reads": reads, "samples": 0}
+    spans = _unread(record, order, seed, fingerprint["num_samples"] * (l_new + 1))
+    record["samples"] = int(spans[:, 1].sum() - spans[:, 0].sum()) // (l_new + 1)
     fingerprint["repacked"] = record
     train_state.samples_seen = 0
     return record, (f"data.resume_seq_len=repack: a new phase from step {train_state.step}: seq_len {l_old} -> {l_new}; "
-                    f"epoch {epoch}'s {n_old - done} unread samples of {l_old + 1} tokens repacked into {samples} of "
+                    f"epoch {epoch}'s {reads - done} unread samples of {l_old + 1} tokens repacked into {record['samples']} of "
                     f"{l_new + 1}; the corpus at seq_len {l_new} from epoch {epoch + 1} on")
+
+
+def _unread(record: dict, order: str, seed: int, end: int) -> np.ndarray:
+    """The stream spans of the rows the epoch would still have read at the old length: positions
+    consumed..reads of its order (past `reads`, the tail that fills no global batch, which the epoch
+    never reads), clipped to [0, end)."""
+    n_old = record["from_samples"]
+    if not n_old:
+        return np.zeros((0, 2), dtype=np.int64)
+    positions, reads = make_order(order, n_old, seed, record["epoch"]), record.get("reads", n_old)
+    skipped = positions.take(0, record["consumed"]) + positions.take(reads, n_old - reads)
+    return remaining_spans(n_old, record["from_seq_len"], skipped, end)
 
 
 def remainder(dataset, record: dict, order: str, seed: int) -> Repacked:
     """The phase's remainder over `dataset` (the corpus at the new length), computed again from the record."""
-    l_new, n_old = dataset.seq_len, record["from_samples"]
-    consumed = make_order(order, n_old, seed, record["epoch"]).take(0, record["consumed"]) if n_old else []
-    spans = remaining_spans(n_old, record["from_seq_len"], consumed, len(dataset) * (l_new + 1)) if n_old else np.zeros((0, 2), np.int64)
-    rem = Repacked(dataset.bin_path, l_new, spans, dataset.dtype)
+    rem = Repacked(dataset.bin_path, dataset.seq_len, _unread(record, order, seed, len(dataset) * (dataset.seq_len + 1)), dataset.dtype)
     if len(rem) != record["samples"]:
         raise DataError(f"data.resume_seq_len=repack: the remainder of epoch {record['epoch']} has {len(rem)} samples now, "
                         f"{record['samples']} when the phase began at step {record['step']}: the corpus changed")

@@ -91,6 +91,13 @@ class StopFlag:
             self.signal, self.received_at = "the exit of the torchrun agent", time.monotonic()
         return self.signal is not None
 
+    def settled(self) -> None:
+        """The run's outcome is decided (its error or stop being concluded, the folder being closed):
+        from here a signal only sets the flag. torchrun SIGTERMs the other ranks as soon as one rank
+        exits, which may be while these ones write their last status line; raising there would
+        print a traceback and change nothing."""
+        self.setup = self.interrupt = False
+
     def restore(self) -> None:
         """Put back the handlers that were there before (for callers of train.main in-process)."""
         for sig, handler in self._previous.items():

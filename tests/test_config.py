@@ -31,6 +31,8 @@ def test_the_shipped_configs_load():
     ("checkpoint.keep=1", r"checkpoint.keep: expected at least 2"),
     ("model.n_heads=3", r"model.dim \(128\) must be divisible by model.n_heads \(3\)"),
     ("train.steps", "expected key=value"),
+    ("train.grpo.scale_rewards=false", r"train.grpo.scale_rewards: expected one of 'group', 'batch', 'none', got 'false'"),
+    ("data.resume_seq_len=yes", r"data.resume_seq_len: expected one of refuse, repack, got 'true'"),
 ])
 def test_a_bad_override_is_an_error_naming_the_key_and_what_was_expected(override, match):
     with pytest.raises(ConfigError, match=match):

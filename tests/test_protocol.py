@@ -59,6 +59,32 @@ def test_a_boundary_raises_the_other_ranks_failure_on_this_rank_and_a_stop_vote_
 
 
 @pytest.mark.unit
+def test_a_stop_signal_after_the_outcome_is_settled_only_sets_the_flag_where_in_set_up_it_raises():
+    """torchrun SIGTERMs the other ranks as soon as one exits (a refused relaunch: rank 0 exits 2
+    first); a rank then writing its own status line must not raise StopDuringSetup there (a traceback
+    under the one error line, CI run of 74e455f)."""
+    import os
+    import signal
+
+    from run.stop import StopDuringSetup, StopFlag
+
+    before = signal.getsignal(signal.SIGTERM)
+    for settle in (False, True):
+        stop = StopFlag()
+        try:
+            if settle:
+                stop.settled()
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before kill returns
+                assert stop.poll() and stop.signal == "SIGTERM"
+            else:
+                with pytest.raises(StopDuringSetup):
+                    os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.unit
 def test_the_first_failure_posted_on_the_board_is_the_cause_the_others_read():
     comm = TwoRanks()
     ours, theirs = Protocol(comm), Protocol(comm)

@@ -38,8 +38,8 @@ def args(epochs):
 
 @pytest.fixture(scope="module")
 def halted(tmp_path_factory, args):
-    """The tiny run (70 samples of 32 tokens, 8 steps an epoch) halted at step 3: 46 samples of epoch 0
-    unread, which repack into 23 of 64 tokens (2 steps of 8)."""
+    """The tiny run (70 samples of 32 tokens, 8 steps an epoch) halted at step 3: 40 samples of epoch 0
+    left to read (its 6-sample tail fills no batch), which repack into 20 of 64 tokens (2 steps of 8)."""
     out = tmp_path_factory.mktemp("repack") / "halted"
     assert launch.in_process(*args, "checkpoint.interval=1", "train.halt_at=3", f"out_dir={out}")[0] == 0
     return out
@@ -53,16 +53,25 @@ def test_a_resume_at_a_longer_seq_len_is_a_new_phase_carried_to_a_resume_on_two_
     shutil.copytree(halted, one)
     shutil.copytree(halted, two)
     code, err = launch.in_process(*args, *LONG, f"out_dir={one}")
-    assert code == 0 and "a new phase from step 3: seq_len 32 -> 64; epoch 0's 46 unread samples of 33 tokens repacked into 23 of 65" in err
+    assert code == 0 and "a new phase from step 3: seq_len 32 -> 64; epoch 0's 40 unread samples of 33 tokens repacked into 20 of 65" in err
     log = launch.metrics(one)
     assert [r["epoch"] for r in log[3:6]] == [0, 0, 1]  # the remainder's 2 steps, then the corpus at 64 tokens
     remainder = [i for r in log[3:5] for i in r["sample_ids"]]
-    assert len(set(remainder)) == 16 and max(remainder) < 23
-    assert launch.storage_manifest(one, 20)["data_fingerprint"]["repacked"]["samples"] == 23  # carried to the last checkpoint
+    assert len(set(remainder)) == 16 and max(remainder) < 20
+    assert launch.storage_manifest(one, 20)["data_fingerprint"]["repacked"]["samples"] == 20  # carried to the last checkpoint
     # Halted inside the remainder, resumed on 2 processes without the key (the checkpoint carries the phase): the same run.
     assert launch.in_process(*args, *LONG, "train.halt_at=4", f"out_dir={two}")[0] == 0
     launch.run(2, *args, "model.seq_len=64", f"out_dir={two}")
     launch.assert_identical(two, one)
+
+
+def test_a_repack_at_the_epochs_end_is_an_empty_phase_and_the_next_epoch_reads_the_corpus_at_the_new_length(tmp_path, args):
+    out = tmp_path / "run"
+    assert launch.in_process(*args, "checkpoint.interval=4", "train.halt_at=8", f"out_dir={out}")[0] == 0  # epoch 0 read
+    code, err = launch.in_process(*args, *LONG, "train.steps=10", f"out_dir={out}")
+    assert code == 0 and "epoch 0's 0 unread samples of 33 tokens repacked into 0 of 65" in err, err[-2000:]
+    log = launch.metrics(out)
+    assert [r["epoch"] for r in log[8:10]] == [1, 1] and len(log) == 10
 
 
 def test_another_seq_len_is_refused_without_repack_and_inside_a_repacked_epoch(tmp_path, args, halted):
@@ -70,6 +79,10 @@ def test_another_seq_len_is_refused_without_repack_and_inside_a_repacked_epoch(t
     shutil.copytree(halted, out)
     code, err = launch.in_process(*args, "model.seq_len=64", f"out_dir={out}")
     assert code == 2 and "model.seq_len (data.resume_seq_len=repack continues at another" in err and "is 32 in the checkpoint, 64" in err
+    code, err = launch.in_process(*args, "data.resume_seq_len=repack", "data.num_samples=60", f"out_dir={out}")
+    assert code == 2 and "data.num_samples (data.resume_seq_len=repack changes the packing's length, not its count) is 70 in" in err
+    code, err = launch.in_process(*args, *LONG, "data.val_samples=4", f"out_dir={out}")
+    assert code == 2 and "data.val_samples (data.resume_seq_len=repack changes the packing's length, not its count)" in err, err[-1500:]
     assert launch.in_process(*args, *LONG, "train.halt_at=4", f"out_dir={out}")[0] == 0
     code, err = launch.in_process(*args, "model.seq_len=48", "data.resume_seq_len=repack", f"out_dir={out}")
     assert code == 2 and "epoch 0 already reads a remainder repacked from seq_len 32 at step 3" in err and "until the epoch ends (step 5)" in err
