@@ -239,6 +239,7 @@ class CheckpointManager:
         self._group = None  # the process group of DCP's collectives (see _dcp)
         self._pool: ThreadPoolExecutor | None = None  # one thread for background writes, made at the first
         self._pending: Future | None = None
+        self._retiring: list[Future] = []  # pruned checkpoints' files being deleted (storage.retire_later)
         self._error: BaseException | None = None
         self._staged: dict | None = None  # the buffers a background snapshot is copied into, reused
         self._dcp()  # the group now, while the set-up's store is there (a stop after the launcher died saves without it)
@@ -549,7 +550,7 @@ class CheckpointManager:
             written = {**entries, storage.WEIGHTS_FILE: half}
             final = storage.publish(self.root, step, dict(self.meta.files), manifest, tmp=tmp, written=written)
             self.owned.add(final)
-            pruned = storage.prune(self.root, self.cfg.keep, self.owned)
+            pruned = storage.prune(self.root, self.cfg.keep, self.owned, later=self._retire)
             published.append(final)
             log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
                      f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
@@ -565,8 +566,17 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     # ---------------------------------------------------------------- background bookkeeping
+    def _retire(self, fn) -> None:
+        """Delete a pruned checkpoint's files in the helper thread (the next save, and the run's end, wait for it)."""
+        self._retiring.append(_retirer.submit(fn))
+
     def wait(self) -> None:
-        """Block until the pending background write is done; keep its error."""
+        """Block until the pending background write, and the deletion of what was pruned, are done; keep the write's error."""
+        self._wait_write()
+        retiring, self._retiring = self._retiring, []
+        concurrent.futures.wait(retiring)
+
+    def _wait_write(self) -> None:
         if self._pending is not None:
             try:
                 self._pending.result()
@@ -578,7 +588,7 @@ class CheckpointManager:
         """A background write that failed (non-blocking: None while one is still being written).
         The loop votes on it at the next step boundary (run/protocol.py)."""
         if self._pending is not None and self._pending.done():
-            self.wait()
+            self._wait_write()
         return self._error
 
     def _failure(self) -> storage.CheckpointError:
@@ -593,6 +603,8 @@ class CheckpointManager:
             raise self._failure() if self._error is not None else storage.CheckpointError("a background save failed on another rank")
 
 
+_retirer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prune")
+"""Deletes pruned checkpoints' files (storage.retire_later); it logs, never raises."""
 _hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-half")
 """The fp16 weights file and the weights' identity, each in a thread beside the state files' write."""
 

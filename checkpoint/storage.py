@@ -178,12 +178,18 @@ def retire(folder: Path) -> list[str]:
     """Delete a verified checkpoint's own files: its manifest first (from then on it is no
     checkpoint), then each file the manifest listed, then the folder if nothing else is in it.
     Returns the names of what was left (files a user put there), never touched. A folder with a
-    symbolic link in it (itself, its state/, a file) is refused before anything is deleted."""
+    symbolic link in it (itself, its state/, a file) is refused before anything is deleted.
+    A folder already out of discovery's sight (`.trash-*`) keeps its manifest to the last, so that
+    a retire cut short is finished by clear_temporaries at the next start."""
     no_links(folder)
     body = read_manifest(folder)
-    (folder / MANIFEST).unlink()
+    last = folder.name.startswith(_TRASH_PREFIX)
+    if not last:
+        (folder / MANIFEST).unlink()
     for name in body["files"]:
         (folder / name).unlink(missing_ok=True)
+    if last:
+        (folder / MANIFEST).unlink()
     state = folder / STATE
     if state.is_dir() and not state.is_symlink() and not any(state.iterdir()):
         state.rmdir()
@@ -191,6 +197,29 @@ def retire(folder: Path) -> list[str]:
     if not left:
         folder.rmdir()
     return left
+
+
+def retire_later(root: Path, folder: Path, later) -> None:
+    """Take a verified checkpoint out of discovery's sight now (renamed `.trash-*`, atomic, the
+    parent fsynced) and delete its files with `later(fn)` (a helper thread: deleting a checkpoint's
+    gigabytes is not the save's time). What a user put in it is moved to moved_aside/, as retire's
+    callers do; a deletion that fails is left, with a warning, for clear_temporaries."""
+    no_links(folder)
+    trash = root / f"{_TRASH_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(folder, trash)
+    fsync_path(root)
+
+    def finish() -> None:
+        try:
+            left = retire(trash)
+            if left:
+                kept = set_aside(root, trash, folder.name)
+                log.warning("pruned the checkpoint files of %s; what the trainer did not write in it (%s) moved to %s",
+                            folder, ", ".join(left), kept)
+        except (CheckpointError, OSError) as e:
+            log.warning("pruning %s: %s; what is left of it (%s) is removed at the next start", folder, e, trash)
+
+    later(finish)
 
 
 def _remove(path: Path) -> None:
@@ -288,8 +317,9 @@ def clear_temporaries(root: Path) -> list[Path]:
     return removed
 
 
-def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
+def prune(root: Path, keep: int, owned: set[Path], later=None) -> list[Path]:
     """Retire all but the newest `keep` valid checkpoints, oldest first. Call only after publishing.
+    `later`: run the deletion of their files through it (retire_later), after they left their names.
 
     Only checkpoints in `owned` (this run verified or published them) count and may go; another
     `step_*` folder is verified first and joins `owned` when it passes. A folder that does not
@@ -311,7 +341,7 @@ def prune(root: Path, keep: int, owned: set[Path]) -> list[Path]:
     removed = []
     for p in reversed(valid[keep:]):
         try:
-            left = retire(p)
+            left = retire(p) if later is None else retire_later(root, p, later) or []
         except CheckpointError as e:  # e.g. a link put in it since it was published: nothing deleted, nothing followed
             log.warning("not pruning %s: %s; left for you to inspect", p, e)
             owned.discard(p)

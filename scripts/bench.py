@@ -166,6 +166,7 @@ def timed_save(mgr: CheckpointManager, states: dict, step) -> tuple[int, float]:
     """One save at the next step number: (step, seconds until save() returned)."""
     s = next(step)
     states["train"].step = s
+    os.sync()  # no other measurement's writeback runs into this one
     t0 = time.perf_counter()
     mgr.save(s, states)
     return s, time.perf_counter() - t0
@@ -194,6 +195,7 @@ def raw_write_overlapped(folder: Path, files: dict[str, bytes]) -> float:
     from checkpoint.files import _start_writeback
 
     folder.mkdir()
+    os.sync()
     t0 = time.perf_counter()
     for name, data in files.items():
         fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -219,6 +221,7 @@ def raw_write_direct(folder: Path, files: dict[str, bytes]) -> float | None:
     folder.mkdir()
     buf = mmap.mmap(-1, _BLOCK)  # page-aligned, as O_DIRECT needs
     try:
+        os.sync()
         t0 = time.perf_counter()
         for name, data in files.items():
             try:
@@ -720,6 +723,7 @@ def checkpoint_rows(label: str, mcfg: ModelConfig, repeat: int, work: Path, aime
                 "rng": {"0": rng.rng_blob(amgr.comm.device)}}
         timed("stage", lambda: amgr._stage(snap))
         plain = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        os.sync()
         t0 = time.perf_counter()
         dcp.save(plain, checkpoint_id=str(work / f"dcp-{label}-{r}"), no_dist=True)
         times["dcp"].append(time.perf_counter() - t0)

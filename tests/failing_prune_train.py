@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 from checkpoint import storage  # noqa: E402
 
 
-def _failing_prune(root, keep, owned):
+def _failing_prune(root, keep, owned, later=None):
     raise OSError(errno.EIO, "Input/output error (injected)", str(root))
 
 

@@ -85,6 +85,35 @@ def test_keep_last_k_prunes_the_oldest_first_and_only_after_publishing(tmp_path)
     assert owned == {tmp_path / "step_00000040", tmp_path / "step_00000030"}
 
 
+def test_a_pruned_checkpoint_leaves_its_name_at_once_and_a_deletion_cut_short_is_finished_at_the_next_start(tmp_path, monkeypatch, caplog):
+    """The save does not wait for a pruned checkpoint's deletion (storage.retire_later): the folder
+    is renamed out of discovery's sight, its files deleted by `later`. The manifest goes last, so a
+    deletion cut short (here: the second unlink fails) is finished by clear_temporaries, nothing set aside."""
+    owned = {publish_step(tmp_path, step) for step in (10, 20, 30)}
+    jobs = []
+    assert [p.name for p in storage.prune(tmp_path, 2, owned, later=jobs.append)] == ["step_00000010"]
+    assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [30, 20] and owned == {tmp_path / "step_00000030", tmp_path / "step_00000020"}
+    [trash] = [p for p in tmp_path.iterdir() if p.name.startswith(".trash-step_00000010-")]
+    assert (trash / STATE_FILE).exists() and (trash / storage.MANIFEST).exists()  # deleted later, not by the save
+    unlink, calls = Path.unlink, []
+
+    def second_fails(self, *a, **k):
+        calls.append(self)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error (injected)", str(self))
+        return unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", second_fails)
+    jobs.pop()()  # logs, never raises
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert "is removed at the next start" in caplog.text and (trash / storage.MANIFEST).exists()
+    assert storage.clear_temporaries(tmp_path) == [trash] and not trash.exists() and not (tmp_path / storage.MOVED_ASIDE).exists()
+    owned.add(publish_step(tmp_path, 40))
+    storage.prune(tmp_path, 2, owned, later=jobs.append)
+    jobs.pop()()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000030", "step_00000040"]
+
+
 def test_pruning_never_counts_or_deletes_a_checkpoint_that_does_not_verify_nor_follows_a_link(tmp_path):
     root, outside = tmp_path / "checkpoints", tmp_path / "outside"
     damaged = publish_step(root, 50)
