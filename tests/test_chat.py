@@ -287,7 +287,7 @@ def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf
     assert ids and generated[: len(ids)] == ids and (len(ids) == 24 or generated[len(ids)] == eos)
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_the_steps_loss_is_over_the_taught_tokens_of_the_global_batch_whatever_the_micro_batch(sft_corpus, tiny, tmp_path):
     """Rows teach different numbers of tokens, so a mean of per-micro-batch means would move with
     the split; the sum over the taught tokens / their global count does not (up to float order)."""

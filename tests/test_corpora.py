@@ -47,7 +47,7 @@ def split(tmp_path):
     return whole, folder
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_a_directory_and_a_glob_train_bit_identically_to_their_files_concatenated_in_name_order(split, tiny, tmp_path):
     whole, folder = split
     runs = {}
@@ -62,7 +62,7 @@ def test_a_directory_and_a_glob_train_bit_identically_to_their_files_concatenate
     assert len(bins) == 3 and len({b.read_bytes() for b in bins}) == 1  # three caches, one packed stream
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_each_file_of_a_corpus_is_in_the_fingerprint_and_a_resume_refuses_a_change_naming_the_file(split, tiny, tmp_path):
     _, folder = split
     run = [*tiny, f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}"]
@@ -78,7 +78,7 @@ def test_each_file_of_a_corpus_is_in_the_fingerprint_and_a_resume_refuses_a_chan
     assert code == 2 and "a_first.jsonl changed since the checkpoint" in err
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_a_second_launch_trusts_the_files_identity_and_verify_source_full_reads_them_again(tiny, tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(documents(700, 4)))
@@ -117,7 +117,7 @@ def test_a_file_modified_just_before_it_was_hashed_is_hashed_again(tmp_path):
     assert again["source_sha256"] != meta["source_sha256"]
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_pack_ahead_then_the_trainer_uses_that_cache(tiny, tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(documents(700, 6)))

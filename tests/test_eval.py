@@ -168,7 +168,7 @@ def test_cmmlus_capitalized_columns_and_csv_files_read_as_c_evals(tmp_path):
         benchmark.read_tasks(["no_such_task"])
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_eval_on_a_fresh_run_scores_the_built_in_task_with_a_line_per_task_and_json_per_task_and_overall(run, tmp_path):
     code, out, err = cli("eval", str(run), "--tasks", "arith", "text:arith", "--limit", "12", "--out", str(tmp_path / "r.json"))
     assert code == 0, err
@@ -240,7 +240,7 @@ def saved_generators(out: Path) -> bytes:
     return state["rng"]["0"]
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_a_run_scoring_eval_tasks_logs_them_and_ends_bit_identical_to_the_run_without_weights_losses_and_generators(tiny, tmp_path):
     """Dropout is on, so an evaluation that left the model training or drew from the global generators
     would show: in the losses, or in the generator states every checkpoint saves (docs/design.md I6, I15)."""

@@ -322,7 +322,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_past_the_queue_a_req
         server.stop()
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_a_lora_run_and_a_minimind3_shaped_moe_run_are_served_with_chats_reply_and_scored_by_eval(tiny, tmp_path):
     """Any model family here: a LoRA run (its adapters over its pinned base) and a MiniMind-3 shape (q/k
     norm, an MoE), each loaded as `chat` loads it."""

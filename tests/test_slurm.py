@@ -26,11 +26,15 @@ def cluster_up() -> bool:
     return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
 
 
-if not cluster_up():
-    if os.environ.get("CI") == "true":  # CI starts the cluster (.ci/run): absent there is a failure, not a skip
-        raise RuntimeError("no Slurm cluster: .ci/run should have started one (scripts/slurm/local_cluster.sh start)")
-    pytest.skip("no Slurm here: start one with `sudo bash scripts/slurm/local_cluster.sh start` "
-                "(its clients read SLURM_CONF=/var/spool/slurm-local/slurm.conf)", allow_module_level=True)
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """Asked when a test of this module runs, not when it is collected (sinfo waits 9 s for a
+    controller that is not there: every pytest worker would pay that under -m unit)."""
+    if not cluster_up():
+        if os.environ.get("CI") == "true":  # CI starts the cluster (.ci/run): absent there is a failure, not a skip
+            raise RuntimeError("no Slurm cluster: .ci/run should have started one (scripts/slurm/local_cluster.sh start)")
+        pytest.skip("no Slurm here: start one with `sudo bash scripts/slurm/local_cluster.sh start` "
+                    "(its clients read SLURM_CONF=/var/spool/slurm-local/slurm.conf)")
 
 
 def submit(tmp_path, *overrides, sbatch=(), env=None) -> str:
