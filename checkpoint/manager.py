@@ -379,7 +379,7 @@ class CheckpointManager:
         target = {}
         for name, obj in states.items():
             if format.has(metadata, name):
-                target[name] = obj.state_dict()
+                target[name] = obj.load_target() if hasattr(obj, "load_target") else obj.state_dict()
             elif name in OPTIONAL_STATES:
                 log.warning("%s: no '%s' state in the checkpoint; it starts fresh", path, name)
             else:

@@ -25,6 +25,7 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module, trainable_only: bool = False) -> None:
         self.model, self.trainable_only = model, trainable_only
+        self._names: dict | bool | None = None  # the module's own keys -> DCP's while they agree; False: DCP's every time
 
     def _trainable(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}
@@ -32,7 +33,14 @@ class ModelState:
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.model)
+        if self._names is False:
+            state = get_model_state_dict(self.model)
+        else:
+            own = self.model.state_dict()
+            state = _renamed(own, self._names)
+            if state is None:  # DCP's names, and whether its dict is the module's own renamed: then reused while the keys stay
+                state = get_model_state_dict(self.model)
+                self._names = _names_if_same(own, state) or False
         if self.trainable_only:
             keep = self._trainable()
             state = {k: v for k, v in state.items() if k in keep}
@@ -52,18 +60,95 @@ class OptimizerState:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self._names: tuple | bool | None = None  # (the groups' parameters by id, their names) while they agree; False: DCP's
 
     def state_dict(self) -> dict:
-        # A fresh optimizer (a resume's) gets its state made by one step with zero gradients and a
-        # zero learning rate, which leaves every weight as it was; the load then replaces it.
+        # An optimizer without state (a save before its first step) gets it made by DCP: one step with
+        # zero gradients and a zero learning rate, which leaves every weight as it was. A load makes
+        # its target with load_target instead.
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        ids = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        if self.optimizer.state and self._names and self._names[0] == ids:
+            return _by_name(self.optimizer.state_dict(), self._names[1])
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        if self._names is not False:
+            names = [name for g in state.get("param_groups", ()) for name in g["params"]]
+            ok = len(names) == len(ids) and _same(_by_name(self.optimizer.state_dict(), names), state)
+            self._names = (ids, names) if ok else False
+        return state
+
+    def load_target(self) -> dict:
+        """The structure a load fills. A fresh Adam or AdamW gets its state made as its first step
+        would make it (the same entries, shapes, dtypes and devices: `Adam._init_group`'s), left
+        uninitialised: the load overwrites every byte of it (each tensor's chunks cover it exactly
+        once, checked before the read; a load that fails leaves no run training on it). DCP's own
+        way, a step with zero gradients, allocates and zeroes the gradients and both moments and
+        computes a step: about a third of a 26M resume (docs/bench.md). Any other optimizer, or
+        one with state, is DCP's way."""
+        opt = self.optimizer
+        if not opt.state and isinstance(opt, torch.optim.Adam):  # AdamW is an Adam
+            from torch.optim.optimizer import _get_scalar_dtype
+
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not p.requires_grad:
+                        continue
+                    on_device = group.get("capturable") or group.get("fused")
+                    step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device) if on_device
+                            else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+                    state = {"step": step, "exp_avg": torch.empty_like(p, memory_format=torch.preserve_format),
+                             "exp_avg_sq": torch.empty_like(p, memory_format=torch.preserve_format)}
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                    opt.state[p] = state
+        return self.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+# DCP's get_model_state_dict and get_optimizer_state_dict walk the modules and map every name at
+# each call (about 7 ms each at the 26M shape, the larger part of an async save's stall besides the
+# copy: docs/bench.md). Where their dict is the module's or optimizer's own with other names (DDP,
+# one process, a compiled module: no DTensor), the names are taken once from DCP and reused while
+# the keys (a module's) or the parameters (an optimizer's) stay the same; anything else is DCP's
+# every time.
+
+def _same(a, b) -> bool:
+    """The same entries: keys in the same order, each tensor the same memory and view, each other value equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (type(a) is type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
+    return type(a) is type(b) and a == b
+
+
+def _names_if_same(own: dict, dcp: dict) -> dict | None:
+    """The module's key -> DCP's key, when DCP's dict is the module's own renamed in order; else None."""
+    if len(own) != len(dcp):
+        return None
+    names = dict(zip(own, dcp))
+    return names if _same(_renamed(own, names), dcp) else None
+
+
+def _renamed(own: dict, names: dict | None) -> dict | None:
+    """`own` under DCP's names, or None when `names` is not for these keys (the module changed)."""
+    if names is None or len(own) != len(names) or any(k not in names for k in own):
+        return None
+    return {names[k]: v for k, v in own.items()}
+
+
+def _by_name(raw: dict, names: list[str]) -> dict:
+    """torch's optimizer state dict (parameters by index) with each index replaced by its name."""
+    return {"state": {names[i]: v for i, v in raw["state"].items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                             for g in raw["param_groups"]]}
 
 
 def capture(device: torch.device) -> dict:

@@ -97,6 +97,17 @@ def kl_sum(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> 
     return temperature ** 2 * F.kl_div(log_q, p, reduction="sum")
 
 
+def cut_head(model, vocab: int) -> None:
+    """The teacher's output head, and the embedding tied to it, cut to its first `vocab` ids (the
+    student's): those ids' logits are then the product a teacher without the other ids computes.
+    Slicing a wider product's logits is the same arithmetic, but not always the same bits: on some
+    CPUs (AVX-512 with AMX, seen here) the matrix product sums in another order for another number
+    of output rows (1e-7 apart at 275 against 259 ids)."""
+    weight = torch.nn.Parameter(model.output.weight.detach()[:vocab].clone(), requires_grad=False)
+    model.tok_embeddings.weight = model.output.weight = weight
+    model.tok_embeddings.num_embeddings = model.output.out_features = vocab
+
+
 def teacher_logits(teacher, x: torch.Tensor, positions: torch.Tensor | None, taught: torch.Tensor, vocab: int) -> torch.Tensor:
     """(taught positions, vocab) fp32 logits of the teacher at the taught positions of rows `x`, in
     row-major order, truncated to the student's `vocab`; each row a forward of its own (a batch of
@@ -247,6 +258,8 @@ class Distill:
                                               slot="teacher", what="teacher", check=self._tokenizer_check(unchecked),
                                               hint=f"the teacher's architecture: {ARCHITECTURE_FROM.get(where, where)}")
         meta.teacher["architecture"] = teacher_cfg.architecture()
+        if teacher_cfg.vocab_size > self.vocab:  # after its identity was checked over every id
+            cut_head(teacher, self.vocab)
         self.autocast = (cfg.dist.strategy, cfg.train.dtype)  # the live teacher runs inside the step's autocast: the table too
         if not self.cfg.top_k:
             self.teacher = teacher

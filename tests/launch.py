@@ -70,6 +70,26 @@ def assert_identical(out: Path, ref: Path) -> None:
     assert inspect(out)["model_sha256"] == inspect(ref)["model_sha256"]
 
 
+def fixture_bits_here(fixture: Path, args: list[str], out: Path, step: int = 2) -> bool:
+    """Whether this machine computes the bits of a committed fixture run (tests/fixtures/): its
+    config (`args`, with its own out_dir) run here from scratch to `step`, the weights compared with
+    the fixture's at that step. Where they differ, a resume from the fixture cannot end on the bits
+    of a run made here from scratch, whatever the loader does: the fixture's first steps were
+    computed by another CPU. The suite's PORTABLE_KERNELS (tests/conftest.py) make an AVX2 and an
+    AVX-512 machine agree, but not every CPU: on a Sapphire Rapids VM (AVX-512 with AMX) the
+    fixtures' step-2 weights differ from this code's by 6e-8 under every MKL_CBWR setting (measured,
+    the fixtures' own commit run there too). The tests then prove the resume against itself."""
+    import torch
+
+    from checkpoint import storage
+
+    code, err = in_process(*[a for a in args if not a.startswith(("train.steps=", "out_dir="))], f"train.steps={step}", f"out_dir={out}")
+    assert code == 0, err
+    folders = [run / storage.CHECKPOINTS / storage.step_dir_name(step) for run in (fixture, out)]
+    theirs, ours = (storage.read_tensors(f, storage.verify(f)) for f in folders)
+    return theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
 def assert_same_state(a, b, where: str = "", ignore: frozenset[str] = frozenset()) -> None:
     """Two loaded resume files (or any nesting of dicts, lists and tensors) are equal leaf for leaf:
     the same keys on both sides (an empty optimizer state on one side fails), tensors equal in

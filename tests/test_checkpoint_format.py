@@ -47,11 +47,20 @@ def test_a_run_written_in_format_2_resumes_to_the_uninterrupted_runs_bits(tmp_pa
     assert storage.verify(newest)["format"] == 2  # the fixture is what it says
     code, err = launch.in_process(*overrides(run, tmp_path / "cache"))
     assert code == 0, err
-    ref = tmp_path / "reference"
-    code, err = launch.in_process(*overrides(ref, tmp_path / "cache"))
-    assert code == 0, err
-    launch.assert_identical(run, ref)  # every logged loss (steps 1-2 format 2's) and the final identity
     assert [m["loss"] for m in launch.metrics(run)][:2] == [m["loss"] for m in launch.metrics(FORMAT2)]
+    if launch.fixture_bits_here(FORMAT2, overrides(tmp_path / "x", tmp_path / "cache"), tmp_path / "two"):
+        ref = tmp_path / "reference"
+        code, err = launch.in_process(*overrides(ref, tmp_path / "cache"))
+        assert code == 0, err
+        launch.assert_identical(run, ref)  # every logged loss (steps 1-2 format 2's) and the final identity
+        return
+    # Another CPU's bits in the fixture: the same resume halted at step 3 (a format-3 checkpoint) and resumed ends alike.
+    again = tmp_path / "again"
+    shutil.copytree(FORMAT2, again)
+    assert launch.in_process(*overrides(again, tmp_path / "cache"), "train.halt_at=3")[0] == 0
+    assert launch.metrics(again)[-1]["step"] == 3  # halted there
+    assert launch.in_process(*overrides(again, tmp_path / "cache"))[0] == 0
+    launch.assert_identical(run, again)
 
 
 def test_a_format_2_checkpoint_with_a_flipped_byte_falls_back_to_the_previous_one_and_the_run_still_ends_on_the_same_bits(tmp_path, caplog):
@@ -69,7 +78,12 @@ def test_a_format_2_checkpoint_with_a_flipped_byte_falls_back_to_the_previous_on
     [skipped] = [line for line in err.splitlines() if "skipping checkpoint" in line]
     assert "step_00000002" in skipped and "does not match the manifest" in skipped  # refused by its sha256, not loaded
     ref = tmp_path / "reference"
-    assert launch.in_process(*overrides(ref, tmp_path / "cache"))[0] == 0
+    if launch.fixture_bits_here(FORMAT2, overrides(tmp_path / "x", tmp_path / "cache"), tmp_path / "two", step=1):
+        assert launch.in_process(*overrides(ref, tmp_path / "cache"))[0] == 0  # from scratch, uninterrupted
+    else:  # another CPU's bits in the fixture: the run resumed from its step 1 directly
+        shutil.copytree(FORMAT2, ref)
+        shutil.rmtree(ref / storage.CHECKPOINTS / storage.step_dir_name(2))
+        assert launch.in_process(*overrides(ref, tmp_path / "cache"))[0] == 0
     launch.assert_identical(run, ref)  # resumed from step 1 (format 2 too), retrained step 2, the same bits
 
 

@@ -225,6 +225,80 @@ def test_load_restores_the_optimizers_state_and_param_groups_exactly(tmp_path):
     assert storage.model_sha256(fresh_model.state_dict(), {}) == storage.model_sha256(model.state_dict(), {})
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_fresh_adams_load_target_is_the_state_its_first_step_makes_without_the_step(amsgrad):
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    made = {}
+    for way in ("ours", "dcp"):
+        model, opt = trained_pair(0)
+        opt.param_groups[0]["amsgrad"] = opt.param_groups[1]["amsgrad"] = amsgrad
+        model.bias.requires_grad_(False)  # a frozen parameter gets no state either way
+        if way == "ours":
+            OptimizerState(model, opt).load_target()
+        else:
+            _init_optim_state(opt)
+        made[way] = {name: {k: (v.shape, v.dtype, v.device) for k, v in opt.state[p].items()}
+                     for name, p in model.named_parameters() if p in opt.state}
+        assert all(p.grad is None for p in model.parameters())
+    assert made["ours"] == made["dcp"] and list(made["ours"]) == ["weight"]
+    assert ("max_exp_avg_sq" in made["ours"]["weight"]) is amsgrad
+
+
+def test_a_fallback_after_a_damaged_load_restores_the_previous_optimizer_state_exactly(tmp_path):
+    # The load target is left uninitialised; a load cut short by a damaged file fills part of it, and
+    # the previous checkpoint's load must overwrite every byte.
+    model, opt = trained_pair(0)
+    st = {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": Train()}
+    mgr, want = manager(tmp_path, interval=1, keep=5), None
+    for step in (1, 2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        st["train"].step = step
+        mgr.after_step(step, st, None)
+        if step == 1:
+            want = {i: {k: v.clone() for k, v in per.items()} for i, per in opt.state_dict()["state"].items()}
+    mgr.wait()
+    newest = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(2) / "state" / "__0_0.distcp"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0x01  # the last byte: everything before it has been read into place when the hash fails
+    newest.write_bytes(bytes(data))
+    fresh_model, fresh_opt = trained_pair(1)
+    resumed = manager(tmp_path).load({"model": ModelState(fresh_model), "optimizer": OptimizerState(fresh_model, fresh_opt), "train": Train()})
+    assert resumed.step == 1
+    got = fresh_opt.state_dict()["state"]
+    for i, per in want.items():
+        for k, v in per.items():
+            assert got[i][k].dtype == v.dtype and torch.equal(got[i][k], v), (i, k)
+
+
+def test_the_states_reused_names_give_dcps_own_dicts_while_the_module_and_parameters_stay_and_after_they_change():
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from checkpoint.states import _same
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model[0].parameters(), lr=0.01)
+    ms, os_ = ModelState(model), OptimizerState(model, opt)
+    for step in range(3):
+        model(torch.randn(2, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 0.01 / (step + 2)  # as the schedule sets it
+        assert _same(ms.state_dict(), get_model_state_dict(model)) and _same(os_.state_dict(), get_optimizer_state_dict(model, opt))
+    assert ms._names and os_._names  # reused since the first call
+    opt.add_param_group({"params": model[1].parameters(), "lr": 0.5})  # another parameter list: the names again
+    model(torch.randn(2, 4)).square().sum().backward()
+    opt.step()
+    want = get_optimizer_state_dict(model, opt)
+    assert sorted(want["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"] and _same(os_.state_dict(), want)
+    wrapped = torch.nn.Sequential(model)  # other keys for the same module: the names again
+    ms.model = wrapped
+    assert list(ms.state_dict())[0] == "0.0.weight" and _same(ms.state_dict(), get_model_state_dict(wrapped))
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     run_steps(manager(tmp_path, interval=1, keep=5), states(), 3)
     newest = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(3) / "state" / "__0_0.distcp"

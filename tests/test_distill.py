@@ -441,9 +441,9 @@ def test_our_loss_on_one_row_is_minimind_s_distillation_loss_and_ce_kl_combinati
     ours = {"loss": loss.item(), **{k: v for k, v in objective.step_metrics(One()).items() if k != "top1_agreement"}}
     gaps = {k: abs(ours[k] - theirs[k]) for k in theirs}
     print("ours", ours, "MiniMind", theirs, "gaps", gaps)
-    # Measured: the loss bit for bit, ce_loss 5.2e-8 apart (MiniMind divides in fp32 and adds 1e-8; ours sums in
-    # fp32, divides in fp64), distill_loss 3.0e-10; 10x allowed.
-    assert gaps["loss"] <= 5.2e-7 and gaps["ce_loss"] <= 5.2e-7 and gaps["distill_loss"] <= 3.0e-9, gaps
+    # Measured: the loss bit for bit (2.4e-7 on a Sapphire Rapids VM), ce_loss 5.2e-8 apart (MiniMind divides in fp32
+    # and adds 1e-8; ours sums in fp32, divides in fp64), distill_loss 3.0e-10 (7.0e-10 there); 10x the larger allowed.
+    assert gaps["loss"] <= 2.4e-6 and gaps["ce_loss"] <= 5.2e-7 and gaps["distill_loss"] <= 7.0e-9, gaps
 
 
 @pytest.mark.unit
