@@ -3,16 +3,24 @@ that hashes what torch.save (or anything) writes, a file written and fsynced wit
 and a file read once, whole, and returned only when the manifest vouches for its bytes."""
 from __future__ import annotations
 
+import concurrent.futures
+import errno
+import fcntl
 import hashlib
+import mmap
 import os
 import stat
+import threading
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from common.files import fsync_path
 from common.outcome import Failed
 
 
@@ -104,6 +112,172 @@ class HashingWriter:
         self.f.flush()
 
 
+STAGE_BLOCK = 8 << 20
+"""The block a StreamWriter stages, hashes and writes at once (a multiple of every O_DIRECT alignment)."""
+_IN_FLIGHT = 2  # staged blocks of one file being written while the next one is filled and hashed
+_writes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-write")  # the writes of staged blocks
+_free_blocks: list = []  # page-aligned staging blocks, reused across files and saves
+_blocks_lock = threading.Lock()
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> int:
+    """os.pwrite, the one place a StreamWriter's bytes reach the file (tests put a full disk here)."""
+    return os.pwrite(fd, view, offset)
+
+
+def _take_block() -> mmap.mmap:
+    with _blocks_lock:
+        return _free_blocks.pop() if _free_blocks else mmap.mmap(-1, STAGE_BLOCK)  # page-aligned, as O_DIRECT needs
+
+
+def _give_block(block: mmap.mmap) -> None:
+    with _blocks_lock:
+        _free_blocks.append(block)
+
+
+class StreamWriter:
+    """Writes a new file from buffers given in order (`write`), each byte hashed in the same pass
+    as its write; `close()` fsyncs and returns the file's manifest entry.
+
+    The bytes are copied into page-aligned staging blocks of STAGE_BLOCK bytes (reused across
+    saves); each full block is hashed in this thread, then written by a helper thread at its offset
+    while the next block is filled and hashed (sha256, numpy's copy and pwrite release the GIL).
+    From the first full block on, the file takes O_DIRECT where the filesystem does (the page
+    cache is bypassed: a checkpoint's bytes are not read again by this process, and on many disks
+    the page cache, not the device, is the bottleneck; docs/design.md "One save path"); a
+    filesystem that refuses it (tmpfs) is written through the page cache with writeback started
+    per block. The last, partial block is written through the page cache. Every error is an
+    OSError naming the file (a full disk: "No space left on device", the path)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.sha, self.size = Path(path), hashlib.sha256(), 0
+        self.fd = self._call(os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        self.direct: bool | None = None  # decided at the first full block
+        self.tried_direct = False
+        self.block: mmap.mmap | None = None
+        self.fill = 0
+        self.pending: list[tuple[Future, mmap.mmap | None]] = []
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
+
+    def tell(self) -> int:
+        """The offset the next byte written lands at."""
+        return self.size + self.fill
+
+    def write(self, buffer) -> None:
+        view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+        pos = 0
+        while pos < view.size:
+            if self.block is None:
+                self.block, self.fill = _take_block(), 0
+            n = min(STAGE_BLOCK - self.fill, view.size - pos)
+            np.copyto(np.frombuffer(self.block, dtype=np.uint8, count=n, offset=self.fill), view[pos:pos + n])
+            self.fill += n
+            pos += n
+            if self.fill == STAGE_BLOCK:
+                self._flush()
+
+    def _flush(self) -> None:
+        block, n, offset = self.block, self.fill, self.size
+        self.block, self.fill = None, 0
+        data = memoryview(block)[:n]
+        self.sha.update(data)
+        self.size += n
+        if self.direct is None:
+            self.direct = self.tried_direct = n == STAGE_BLOCK and self._set_direct(True)
+        if n < STAGE_BLOCK and self.direct:  # the tail, not a whole block: through the page cache, once the blocks are written
+            while self.pending:
+                self._wait_oldest()
+            self.direct = self._set_direct(False)
+        self.pending.append((_writes.submit(self._write_at, data, offset), block))
+        while len(self.pending) > _IN_FLIGHT:
+            self._wait_oldest()
+
+    def _set_direct(self, on: bool) -> bool:
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        try:
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+            return on
+        except OSError:  # the filesystem refuses O_DIRECT
+            return False
+
+    def _write_at(self, data: memoryview, offset: int) -> None:
+        done, retried = 0, False
+        while done < data.nbytes:
+            try:
+                n = _pwrite(self.fd, data[done:], offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.tried_direct and not retried:  # O_DIRECT taken at fcntl, refused at the write
+                    self.direct, retried = self._set_direct(False), True
+                    continue
+                raise OSError(e.errno, e.strerror or str(e), str(self.path)) from None
+            if n == 0:
+                raise OSError(errno.EIO, "write returned 0", str(self.path))
+            done += n
+        if not self.direct and _start_writeback is not None:
+            _start_writeback(self.fd, offset, data.nbytes)
+
+    def _wait_oldest(self) -> None:
+        fut, block = self.pending.pop(0)
+        try:
+            fut.result()
+        finally:
+            _give_block(block)  # written (or failed): its buffer is free
+
+    def close(self, sync: bool = True) -> dict:
+        """Write the rest, wait for every block, fsync (unless the caller does), close; the file's manifest entry."""
+        try:
+            if self.block is not None:
+                self._flush()
+            while self.pending:
+                self._wait_oldest()
+            if sync:
+                self._call(os.fsync, self.fd)
+        finally:
+            self.abort()
+        return {"bytes": self.size, "sha256": self.sha.hexdigest()}
+
+    def abort(self) -> None:
+        """Close the file after a failure (the blocks in flight finished first: their buffers are reused)."""
+        for fut, block in self.pending:
+            concurrent.futures.wait([fut])
+            _give_block(block)
+        self.pending = []
+        if self.block is not None:
+            _give_block(self.block)
+            self.block = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_stream(path: Path, buffers, sync: bool = True) -> dict:
+    """Write `buffers` (an iterable of bytes-like objects) in order as the new file `path` with a
+    StreamWriter: hashed in the same pass, fsynced unless `sync` is False (the caller fsyncs it);
+    returns its manifest entry {bytes, sha256}."""
+    w = StreamWriter(path)
+    try:
+        for b in buffers:
+            w.write(b)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close(sync)
+
+
+def _fsync_named(path: Path) -> None:
+    try:
+        fsync_path(path)
+    except OSError as e:  # e.g. a full disk that only shows at writeback
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
 class HashingReader:
     """Reads a file front to back into buffers given to it (`readinto`: a tensor's own bytes), hashing
     every byte as it goes by, each byte read once. A large block is hashed in a helper thread while
@@ -160,21 +334,24 @@ class HashingReader:
 
 
 def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict:
-    """Write one file of a checkpoint (raw bytes, or an object through torch.save), hashing it on the way. Its fsync is started in a helper
-    thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
+    """Write one file of a checkpoint (raw bytes, or a generator of buffers written in order, with a
+    StreamWriter; or an object through torch.save),
+    hashing it on the way. Its fsync is started in a helper thread and appended to `fsyncs` (the caller waits for all of them before the manifest), or
     done here when `fsyncs` is None."""
+    if isinstance(obj, (bytes, bytearray, memoryview, types.GeneratorType)):
+        entry = write_stream(path, [obj] if not isinstance(obj, types.GeneratorType) else obj, sync=fsyncs is None)
+        if fsyncs is not None:
+            fsyncs.append(_helper.submit(_fsync_named, path))
+        return entry
     w = None
     try:
         f = open(path, "wb")
         try:
             w = HashingWriter(f)
-            if isinstance(obj, bytes):
-                w.write(obj)
-            else:
-                # torch's zip writer computes a CRC32 of every record (about 0.5 GB/s here); the
-                # manifest's sha256 covers every byte already, and torch.load does not check it.
-                with serialization_config.patch({"save.compute_crc32": False}):
-                    torch.save(obj, w)
+            # torch's zip writer computes a CRC32 of every record (about 0.5 GB/s here); the
+            # manifest's sha256 covers every byte already, and torch.load does not check it.
+            with serialization_config.patch({"save.compute_crc32": False}):
+                torch.save(obj, w)
             f.flush()
         except BaseException:
             f.close()

@@ -5,16 +5,18 @@ docs/design.md, "One save path").
 
     step_XXXXXXXX/state/.metadata           DCP's metadata: which item lies where (pickled by DCP)
     step_XXXXXXXX/state/__<rank>_0.distcp   the items that rank wrote: the bytes items (torch.save
-                                            records), then every tensor's bytes raw (format 3)
+                                            records), then about half its tensors' bytes raw (format 3)
+    step_XXXXXXXX/state/__<rank>_1.distcp   the rest of its tensors' bytes raw
 
 Writing (`Writer`, a DCP StorageWriter). DCP's planner gives each rank its items: a replicated
 state (DDP's whole model and optimizer, the step, the RNG states rank 0 gathered) to rank 0 alone,
-a sharded one (FSDP's) to the rank that holds each shard. Each rank writes its items into one file,
-the tensors' elements as they are in memory, hashing the bytes as they go out, and fsyncs it; each
-item's place (offset, length, and a tensor's dtype and shape) is its `RawItem` in DCP's storage
-data, and the file's size and sha256 travel to the coordinator inside DCP's own write results; the
-coordinator's `finish()` writes the metadata and hands every file's entry to the caller's `publish`
-(the manifest and the rename: storage.publish).
+a sharded one (FSDP's) to the rank that holds each shard. Each rank writes its items into PARTS
+files in parallel (`_split`: a file's sha256 is one core's work), the tensors' elements as they are
+in memory, each file through a files.StreamWriter (hashed as the bytes go out, O_DIRECT where the
+filesystem takes it, fsynced); each item's place (offset, length, and a tensor's dtype and shape)
+is its `RawItem` in DCP's storage data, and each file's size and sha256 travel to the coordinator
+inside DCP's own write results; the coordinator's `finish()` writes the metadata and hands every
+file's entry to the caller's `publish` (the manifest and the rename: storage.publish).
 
 Reading (`Reader`). The metadata is unpickled by an allow-list of DCP's own metadata classes and
 `RawItem` (each looked up only in the module that defines it), torch's sizes, dtypes and layouts,
@@ -22,16 +24,17 @@ and plain containers: nothing else is looked up, nothing in it runs. Then it is 
 files it points into before anything is allocated (`check_metadata`): every tensor's chunks cover
 it exactly once (no gap, no overlap, none outside it), every item's bytes lie inside a listed file
 and no two overlap, and a raw chunk's bytes are exactly its elements, so every size it states is
-bounded by the bytes on disk. Each file a rank needs is then read front to back once, hashed as it
-goes by, each tensor read straight into its destination's memory; the bytes items are loaded with
-`torch.load(weights_only=True)`, each only when it is a zip of stored (uncompressed) records, once
-the file's sha256 is the manifest's. Format 2 (every item a torch.save record, DCP's own file
+bounded by the bytes on disk. Each file a rank needs is then read front to back once (a rank's
+files in parallel), hashed as it goes by, each tensor read straight into its destination's memory;
+the bytes items are loaded with `torch.load(weights_only=True)`, each only when it is a zip of
+stored (uncompressed) records, once every file's sha256 is the manifest's. Format 2 (every item a torch.save record, DCP's own file
 layout) is still read: the file read whole and verified, then each item loaded alike.
 
 Nothing here knows a model.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import importlib
@@ -43,12 +46,13 @@ import uuid
 import warnings
 import zipfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .files import FileError, HashingReader, HashingWriter, no_follow, refuse_links, verified_bytes, write_file
+from .files import FileError, HashingReader, StreamWriter, no_follow, refuse_links, verified_bytes, write_file
 
 STATE = "state"
 """The sub-folder of a step folder that holds DCP's files."""
@@ -61,8 +65,10 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 VERSION = 3
 """The byte layout this writer writes (the manifest's "format"): 3, every tensor's bytes raw, at the
 offset its `RawItem` records; 2 (still read), every item a torch.save record (DCP's own layout)."""
-RAW_BLOCK = 8 << 20
-"""Tensor bytes are written in blocks of this size: each block's hash overlaps the next one's write."""
+PARTS = 2
+"""Each rank's items are written into (at most) this many files, in parallel: a file's sha256 is
+sequential, one core's work; two files are hashed, written and read on two cores at once."""
+_files = ThreadPoolExecutor(max_workers=PARTS, thread_name_prefix="ckpt-file")
 
 
 def _raw_item_class():
@@ -301,34 +307,70 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_items(path: Path, relative: str, items: list, planner) -> tuple[list, dict]:
-    """Write DCP's items for this rank into `path` (format 3): the bytes items first (torch.save
-    records, as DCP's planner serialised them), then every tensor's bytes raw, each at the offset
-    its RawItem records, with its dtype and shape; each byte hashed as it goes out (one pass), then
-    fsynced. Returns DCP's WriteResults and the file's manifest entry."""
+def _split(items: list) -> list[list]:
+    """This rank's write items in file order, over PARTS files: the bytes items first (in the first
+    file), then the tensors in DCP's order, cut where each file holds about an equal share of the
+    tensor bytes (a file is hashed on one core: the files are written, and read, in parallel)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    def nbytes(item) -> int:
+        return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+    first = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    total, parts, done = sum(nbytes(i) for i in tensors), [first], 0
+    for item in tensors:
+        if done >= total * len(parts) / PARTS and parts[-1] and len(parts) < PARTS:
+            parts.append([])
+        parts[-1].append(item)
+        done += nbytes(item)
+    return parts
+
+
+def _write_part(path: Path, relative: str, items: list) -> tuple[list, dict]:
+    """Write one file of DCP's items (format 3), `items` as (write item, its resolved data) pairs:
+    a bytes item's torch.save record, a tensor's elements raw, each at the offset its RawItem
+    records (with a tensor's dtype and shape); every byte hashed in the write's pass, then fsynced
+    (files.StreamWriter). Returns DCP's WriteResults and the file's manifest entry."""
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
     RawItem, results = raw_item(), []
-    with open(path, "wb") as f:
-        w = HashingWriter(f)
-        try:
-            for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
-                data, offset = planner.resolve_data(item), w.size
-                if item.type == WriteItemType.BYTE_IO:
-                    w.write(data.getbuffer())
-                    info = RawItem(relative, offset, w.size - offset)
-                else:
-                    view = _raw_bytes(data)
-                    for start in range(0, view.nbytes, RAW_BLOCK):
-                        w.write(view[start:start + RAW_BLOCK])
-                    info = RawItem(relative, offset, w.size - offset, None, data.dtype, tuple(data.shape))
-                results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
-            f.flush()
-            os.fsync(f.fileno())
-        except OSError as e:
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-    return results, {"bytes": w.size, "sha256": w.sha.hexdigest()}
+    w = StreamWriter(path)
+    try:
+        for item, data in items:
+            offset = w.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                w.write(data.getbuffer())
+                info = RawItem(relative, offset, w.tell() - offset)
+            else:
+                w.write(_raw_bytes(data))
+                info = RawItem(relative, offset, w.tell() - offset, None, data.dtype, tuple(data.shape))
+            results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+    except BaseException:
+        w.abort()
+        raise
+    return results, w.close()
+
+
+def _write_items(folder: Path, prefix: str, items: list, planner) -> tuple[list, dict]:
+    """Write DCP's items for this rank into the files `prefix`0.distcp, `prefix`1.distcp, ... of
+    `folder` (at most PARTS; `_split`), one thread each; returns DCP's WriteResults and every
+    file's manifest entry by its name. Every file is done (written or failed) before this returns;
+    the first failure, in file order, is raised."""
+    parts = [[(item, planner.resolve_data(item)) for item in part] for part in _split(items)]
+    names = [f"{prefix}{k}.distcp" for k in range(len(parts))]
+    futures = [_files.submit(_write_part, folder / name, name, part) for name, part in zip(names[1:], parts[1:])]
+    try:
+        done = [_write_part(folder / names[0], names[0], parts[0])]
+    finally:
+        concurrent.futures.wait(futures)
+    done += [f.result() for f in futures]
+    results, entries = [], {}
+    for name, (part_results, entry) in zip(names, done):
+        results += part_results
+        entries[f"{STATE}/{name}"] = entry
+    return results, entries
 
 
 def _writer_class():
@@ -342,7 +384,7 @@ def _writer_class():
         def __init__(self, folder: Path, publish: Callable[[dict, Any], None] | None = None) -> None:
             super().__init__()
             self.folder, self.publish = Path(folder), publish
-            self.rank, self.save_id = 0, uuid.uuid4().hex
+            self.rank, self.save_id, self.own = 0, uuid.uuid4().hex, set()
 
         def reset(self, checkpoint_id=None) -> None:
             pass
@@ -356,16 +398,15 @@ def _writer_class():
         def prepare_global_plan(self, plans):
             # The coordinator, before any rank writes (the plans go back to the ranks after this).
             (self.folder / STATE).mkdir(parents=True, exist_ok=True)
-            return [dataclasses.replace(p, storage_data=f"__{i}_0.distcp") for i, p in enumerate(plans)]
+            return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
         def write_data(self, plan, planner):
             from torch.futures import Future
 
             results, files = [], {}
             if plan.items:  # a rank with nothing to write (DDP's other ranks) leaves no file
-                name = plan.storage_data
-                results, entry = _write_items(self.folder / STATE / name, name, plan.items, planner)
-                files[f"{STATE}/{name}"] = entry
+                results, files = _write_items(self.folder / STATE, plan.storage_data, plan.items, planner)
+                self.own = set(files)
             fut = Future()
             fut.set_result(_Results(results, files))
             return fut
@@ -376,7 +417,7 @@ def _writer_class():
             entries: dict[str, dict] = {}
             for part in results:
                 entries.update(getattr(part, "files", {}))
-            check_written(self.folder, entries, own=f"{STATE}/__{self.rank}_0.distcp")
+            check_written(self.folder, entries, own=self.own)
             metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
             metadata.storage_meta = StorageMeta(checkpoint_id=None, save_id=self.save_id)
             entries[f"{STATE}/{METADATA}"] = write_file(self.folder / STATE / METADATA, pickle.dumps(metadata))
@@ -395,12 +436,12 @@ def _writer_class():
     return Writer
 
 
-def check_written(folder: Path, entries: dict[str, dict], own: str) -> None:
+def check_written(folder: Path, entries: dict[str, dict], own: set[str]) -> None:
     """The coordinator, before it publishes: every file another rank said it wrote is in `folder`
     here, a plain file (no link) of the size and sha256 it listed; FormatError naming it otherwise
     (ranks on nodes that do not share `folder` would publish checkpoints that never verify)."""
     for name, entry in sorted(entries.items()):
-        if name == own:
+        if name in own:
             continue  # written and hashed by this process a moment ago
         path = Path(folder) / name
         try:
@@ -512,18 +553,30 @@ def _reader_classes():
             per_file: dict[str, list] = {}
             for req in plan.items:
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-            read = self._read_raw if is_raw(self.metadata) else self._read_records
-            for relative, reqs in per_file.items():
-                read(relative, reqs, planner)
+            if is_raw(self.metadata):  # the files read in parallel (each hashed on its own core), the bytes items loaded after
+                names = sorted(per_file)
+                futures = [_files.submit(self._read_raw, name, per_file[name], planner) for name in names[1:]]
+                try:
+                    later = self._read_raw(names[0], per_file[names[0]], planner) if names else []
+                finally:
+                    concurrent.futures.wait(futures)
+                for f in futures:
+                    later += f.result()
+                for req, data, where in later:
+                    planner.load_bytes(req, io.BytesIO(bytes(data)), where)
+            else:
+                for relative, reqs in per_file.items():
+                    self._read_records(relative, reqs, planner)
             fut = Future()
             fut.set_result(None)
             return fut
 
-        def _read_raw(self, relative: str, reqs: list, planner) -> None:
+        def _read_raw(self, relative: str, reqs: list, planner) -> list:
             """Format 3: the file read front to back once, hashed as it goes by; each tensor item read
             straight into the destination tensor's own bytes where the request is the whole chunk and
             the destination a contiguous CPU tensor of its dtype (else into a buffer of the chunk, then
-            copied); the bytes items kept and unpickled only once the file's sha256 is the manifest's."""
+            copied). Returns the bytes items, (request, bytes, where), once the file's sha256 is the
+            manifest's: the caller unpickles them after every file is verified."""
             name = f"{self.sub}/{relative}"
             path, entry = self.folder / name, self.entries.get(name)
             if entry is None:
@@ -571,8 +624,7 @@ def _reader_classes():
             if r.size != entry["bytes"] or sha != entry["sha256"]:
                 raise FormatError(f"{path}: sha256 {sha[:12]}... of {r.size} bytes does not match the manifest's "
                                   f"{entry['sha256'][:12]}... of {entry['bytes']} (corrupted)")
-            for req, data, where in later:
-                planner.load_bytes(req, io.BytesIO(bytes(data)), where)
+            return later
 
         def _read_records(self, relative: str, reqs: list, planner) -> None:
             """Format 2: the file read whole and verified, each item a torch.save record."""

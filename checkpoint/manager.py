@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -136,59 +137,72 @@ class Resumed:
     """The checkpoint's data fingerprint (what it read: data/repack.py continues a phase from it)."""
 
 
+def _half(v: torch.Tensor, single_thread: bool = False) -> torch.Tensor:
+    """One tensor of half_weights: a floating tensor as fp16 on the CPU, any other as it is."""
+    v = v.detach()
+    if single_thread and v.dtype == torch.float32 and v.device.type == "cpu":
+        return torch.from_numpy(v.numpy().astype(np.float16))
+    return v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()
+
+
+def _shared(model_state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Every name to the first name of the same tensor (tied embeddings: one memory under two names)."""
+    first: dict[tuple, str] = {}
+    for k, v in model_state.items():
+        first.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype), k)
+    return {k: first[(v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)] for k, v in model_state.items()}
+
+
 def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = False) -> dict[str, torch.Tensor]:
     """fp16 copy for inference (MiniMind's convention); tensors that share memory stay one tensor.
     `single_thread`: convert fp32 CPU tensors with numpy (same rounding, no second OpenMP team
     fighting the training's for the cores)."""
-    seen: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for k, v in model_state.items():
-        v = v.detach()
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
-        if key not in seen:
-            if single_thread and v.dtype == torch.float32 and v.device.type == "cpu":
-                seen[key] = torch.from_numpy(v.numpy().astype(np.float16))
-            else:
-                seen[key] = v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()
-        out[k] = seen[key]
-    return out
+    converted: dict[str, torch.Tensor] = {}
+    for k, first in _shared(model_state).items():
+        if first not in converted:
+            converted[first] = _half(model_state[first], single_thread)
+    return {k: converted[first] for k, first in _shared(model_state).items()}
 
 
 _SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
                        torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """A safetensors file of these CPU tensors, laid out the same every time: the 8-byte header size,
-    the JSON header (names sorted, the metadata's keys sorted; the library's own writer orders the
-    metadata as a hash map does, so two saves of one state would differ), padded to 8 bytes, then
-    every tensor's bytes in name order."""
+def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple]], metadata: dict[str, str]) -> bytes:
+    """The start of a safetensors file whose tensors (name: (dtype, shape)) follow it in name order,
+    laid out the same every time: the 8-byte header size, the JSON header (names sorted, the
+    metadata's keys sorted; the library's own writer orders the metadata as a hash map does, so two
+    saves of one state would differ), padded to 8 bytes."""
     header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-    parts, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + data.nbytes]}
-        parts.append(data)
-        offset += data.nbytes
+    offset = 0
+    for name in sorted(specs):
+        dtype, shape = specs[name]
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return b"".join([len(head).to_bytes(8, "little"), head, *parts])
+    return len(head).to_bytes(8, "little") + head
 
 
 def write_half(path: Path, model_state: dict[str, torch.Tensor], single_thread: bool = False) -> dict:
     """The fp16 weights for inference (half_weights) as a safetensors file at `path` (any Hugging Face
-    tool reads it), hashed as it is written and fsynced; returns its manifest entry. A tensor under
-    two names (tied embeddings) is written once, the other name recorded in the file's metadata under
-    storage.ALIASES (weights/sources.py gives it back)."""
-    half, first, aliases = half_weights(model_state, single_thread), {}, {}
-    for name, t in half.items():
-        if id(t) in first:
-            aliases[name] = first[id(t)]
-        else:
-            first[id(t)] = name
+    tool reads it), hashed as it is written and fsynced; returns its manifest entry. Each tensor is
+    converted as the file reaches it, straight into the writer's stream (no copy of the whole). A
+    tensor under two names (tied embeddings) is written once, the other name recorded in the file's
+    metadata under storage.ALIASES (weights/sources.py gives it back)."""
+    firsts = _shared(model_state)
+    aliases = {k: first for k, first in firsts.items() if k != first}
+    own = {k: model_state[k] for k in model_state if k not in aliases}
+    specs = {k: (torch.float16 if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in own.items()}
     meta = {"format": "pt", **({storage.ALIASES: json.dumps(aliases, sort_keys=True)} if aliases else {})}
-    return storage.write_file(path, safetensors_bytes({name: half[name] for name in first.values()}, meta))
+
+    def stream():
+        yield safetensors_header(specs, meta)
+        for name in sorted(own):
+            yield _half(own[name], single_thread).contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    return storage.write_file(path, stream())
 
 
 def _tie(source: dict, copy: dict) -> dict:
@@ -320,7 +334,7 @@ class CheckpointManager:
         found: Any = None
         if self.comm.is_main:  # nothing is created here: the first publish makes the folder
             for p in storage.clear_temporaries(self.root):
-                log.info("removed %s, left by an interrupted save", p)
+                log.info("removed %s, left by an interrupted %s", p, "save" if p.name.startswith(storage.TMP_PREFIX) else "prune or replacement")
             try:
                 found = {"candidates": self._candidates()}
             except storage.CheckpointError as e:
@@ -395,13 +409,22 @@ class CheckpointManager:
             since = f" (changed since the checkpoint: {', '.join(changed)})" if changed else ""
             raise storage.CheckpointMismatch(
                 f"{path}: its states do not fit this run's: {'; '.join(next(m for m in misfits if m)[:8])}{since}; nothing was loaded")
+        # The files DCP does not read (the fp16 weights, the tokenizer's) verified beside the states' read: a resumed
+        # checkpoint is whole, every file of it as the manifest says (it is counted as valid from now on).
+        others = _hasher.submit(storage.verify, path, lambda name: not name.startswith(f"{format.STATE}/")) if self.comm.is_main else None
         try:
             format.load(target, path, manifest["files"], metadata, **self._dcp())
         except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike
             raise dcp_failure(e, f"loading {path}") from None
+        finally:
+            if others is not None:
+                concurrent.futures.wait([others])
         if "model" in target:
             self._check_identity(path, manifest, target["model"])
         failed = None
+        if others is not None and others.exception() is not None:
+            e = others.exception()
+            failed = str(e) if isinstance(e, storage.CheckpointError) else f"{path}: cannot be read ({type(e).__name__}: {e})"
         try:
             for name, obj in states.items():
                 if name in target:
@@ -409,7 +432,7 @@ class CheckpointManager:
             if "rng" in target:
                 rng.restore_blob(target["rng"][str(self.comm.rank)], self.comm.device)
         except Exception as e:  # noqa: BLE001 - what was read does not load (a forged item): unusable, on every rank alike
-            failed = f"{path}: its states do not load ({type(e).__name__}: {e})"
+            failed = failed or f"{path}: its states do not load ({type(e).__name__}: {e})"
         failures = [f for f in self.comm.all_gather(failed) if f]
         if failures:
             raise storage.CheckpointError(failures[0])
@@ -463,9 +486,13 @@ class CheckpointManager:
             label = label[0] if isinstance(label, tuple) else label
             then, now = saved(dotted), lookup(ours, dotted)
             if isinstance(then, dict) and isinstance(now, dict):  # e.g. a corpus's files: name the keys that differ
+                def change(k) -> str:  # a setting's two values; a file's hash is only said to differ
+                    short = all(isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 40) for v in (then[k], now[k]))
+                    return f"changed ({then[k]} in the checkpoint, {now[k]} in this run)" if short else "changed"
+
                 parts = [f"{k} {what}" for k, what in (
                     *((k, "is gone") for k in then if k not in now), *((k, "is new") for k in now if k not in then),
-                    *((k, "changed") for k in then if k in now and then[k] != now[k]))]
+                    *((k, change(k)) for k in then if k in now and then[k] != now[k]))]
                 return f"{label}: {', '.join(parts)} since the checkpoint"
             return f"{label} is {said(manifest, dotted)} in the checkpoint, {said(ours, dotted)} in this run"
 

@@ -22,8 +22,8 @@
 PATH is a checkpoint folder (`.../checkpoints/step_00000060`) or a run folder (its newest valid
 checkpoint; inspect lists every checkpoint with its validity). Every file is read verified against
 the manifest, with nothing pickled run. Exit codes are common/outcome.py's: 0 success, 2 bad input
-(a path that is not a checkpoint, a damaged or tampered one), 1 an I/O failure; compare: 1 when
-the runs differ.
+(a path that is not a checkpoint or not a run folder, a flag out of its range), 1 a damaged or
+tampered checkpoint, or another I/O failure; compare: 1 when the runs differ.
 """
 from __future__ import annotations
 
@@ -229,6 +229,24 @@ def _sampling(temperature, top_k, top_p, repetition_penalty) -> tuple[float, int
     return tuple(getattr(DEFAULTS, k) if v is None else v for k, v in given.items())
 
 
+def _number(kind: type, low: float | None = None, high: float | None = None):
+    """An argparse `type`: a finite `kind` within [low, high]; anything else is argparse's exit 2 naming the flag."""
+    import math
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+            span = f"from {low:g} to {high:g}" if low is not None and high is not None else f"at least {low:g}" if low is not None else "finite"
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {span}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     """The sampling flags of `generate` and `chat`: one set, with model.generate.DEFAULTS' defaults."""
     from model.generate import DEFAULTS
@@ -297,18 +315,18 @@ def _parser() -> argparse.ArgumentParser:
                                       "GET /v1/models (docs/serving.md)")
     sv.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="the port (0: any free one, said on stderr; default 8000)")
+    sv.add_argument("--port", type=_number(int, 0, 65535), default=8000, help="the port (0: any free one, said on stderr; default 8000)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
     sv.add_argument("--model-name", help="the model id the server reports (default: the run folder's name)")
-    sv.add_argument("--slots", type=int, default=4, help="replies generated in turn, one token each per turn (default 4)")
-    sv.add_argument("--queue", type=int, default=16, help="requests waiting for a slot before more get 429 (default 16)")
+    sv.add_argument("--slots", type=_number(int, 1), default=4, help="replies generated in turn, one token each per turn (default 4)")
+    sv.add_argument("--queue", type=_number(int, 0), default=16, help="requests waiting for a slot before more get 429 (default 16)")
     ev = sub.add_parser("eval", help="score multiple-choice tasks (acc, acc_norm) and perplexity as lm-evaluation-harness does "
                                      "(docs/eval.md)")
     ev.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
     ev.add_argument("--tasks", nargs="+", metavar="TASK", help="task files (.jsonl or .csv: question, A, B, C, D, answer) or "
                                                                "'arith' (built in); 'text:TASK' scores each choice's text")
     ev.add_argument("--perplexity", nargs="+", metavar="FILE", help="held-out text: a .jsonl of {\"text\"} lines or a text file")
-    ev.add_argument("--limit", type=int, help="the first N items of each task")
+    ev.add_argument("--limit", type=_number(int, 1), help="the first N items of each task")
     ev.add_argument("--out", type=Path, help="also write the results here, with each item's picks")
     e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf; a LoRA run's "
                                           "merged), or a LoRA run's adapters for PEFT (--format peft)")
@@ -333,7 +351,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
     st.add_argument("--fallback", type=int, default=1,
                     help="with --exit-code: the launcher's own exit code, used when the status is not this launch's (default 1)")
-    st.add_argument("--wait-s", type=float, default=300.0, help="with --exit-code: how long to wait for the folder's holder")
+    st.add_argument("--wait-s", type=_number(float, 0), default=300.0, help="with --exit-code: how long to wait for the folder's holder")
     st.add_argument("--sample", action="store_true",
                     help="with --exit-code: a run that ended with 0 first prints its model's greedy reply to log.sample_prompt")
     st.add_argument("--stopped", type=int, choices=(0, 1), default=0,

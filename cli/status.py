@@ -161,6 +161,9 @@ def status(args: argparse.Namespace) -> int:
     # A stop the launch script passed on, or a launcher that a signal ended (runtime/launch.py: 128 + signal).
     stopped = bool(args.stopped) or args.fallback > 128
     fallback = exit_code("stopped") if stopped else args.fallback if args.fallback in set(EXIT_CODES.values()) else exit_code("failed")
+    marks = (folder.LOCK, folder.STATUS, folder.CONFIG, folder.METRICS, storage.CHECKPOINTS)
+    if not args.exit_code and args.run.is_dir() and not any((args.run / name).exists() for name in marks):
+        raise BadInput(f"{args.run}: not a run folder (none of {', '.join(marks)} in it); give a run's out_dir")
     if not args.run.is_dir():
         if not args.exit_code:
             raise BadInput(f"{args.run}: not a run folder")

@@ -7,6 +7,7 @@ and what was expected. `python train.py --help` lists every key with its default
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import typing
@@ -297,13 +298,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # no key takes nan or inf: training on one is NaN weights, or a crash deep inside
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            return number
     elif typ is list:
         if isinstance(value, list):
             return value
@@ -383,15 +389,41 @@ def parse_overrides(overrides: list[str], where: str = "command line") -> dict:
     return tree
 
 
+class _Duplicate(yaml.YAMLError):
+    """A key given twice in one mapping of a config file."""
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last one
+    silently: a config that says two things does one of them)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise _Duplicate(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice (first at line {seen[key]}); "
+                                 f"say it once")
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults < YAML file at `path` < $MINIMIND_OVERRIDES < `overrides` ("a.b=value")."""
     data: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory (expected a YAML file, e.g. configs/tiny.yaml)")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); a config is a YAML file") from None
+        except _Duplicate as e:
+            raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(loaded, dict):

@@ -97,6 +97,7 @@ class MixOrder:
         self.weights = [w / total for w in weights]
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self.base_step, self.base = 0, [0] * len(names)
+        self.dropped: list[str] = []  # sources an earlier phase dropped (data.mix_drop may keep naming them)
         self.counts: dict[int, list[int]] = {0: [0] * len(names)}
         self._orders: dict[int, tuple[int, object]] = {}
         self._steps: dict[int, list[int]] = {}
@@ -155,16 +156,18 @@ class MixOrder:
     def state(self, step: int) -> dict:
         counts = self.counts_at(step)
         return {"step": step, "counts": dict(zip(self.names, counts)), "base_step": self.base_step,
-                "base": dict(zip(self.names, self.base)), "weights": dict(zip(self.names, self.weights))}
+                "base": dict(zip(self.names, self.base)), "weights": dict(zip(self.names, self.weights)), "dropped": self.dropped}
 
     def resume(self, saved: dict, drop: set[str], identities: dict[str, str], saved_identities: dict[str, str]) -> str | None:
         """Continue from a checkpoint's position; a new phase when the sources or weights changed.
         Returns the line that says so (None: the same phase). A DataError for a refused change."""
         gone = sorted(set(saved["counts"]) - set(self.names))
-        unknown = sorted(drop - set(saved["counts"]))
+        earlier = set(saved.get("dropped", []))  # the same command run again after its phase began names them still
+        unknown = sorted(drop - set(saved["counts"]) - earlier)
         if unknown:
             raise DataError(f"data.mix_drop: {unknown[0]!r} is no source of the checkpoint's mix ({', '.join(sorted(saved['counts']))}): "
                             f"name one that was in it")
+        self.dropped = sorted((earlier | set(gone)) - set(self.names))
         refused = [n for n in gone if n not in drop]
         if refused:
             raise DataError(f"data.mix: source {refused[0]!r} was in the mix at step {saved['step']} and is not now: removing a "

@@ -30,8 +30,9 @@ def test_an_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path, tiny, 
         # The states (model, optimizer state and param groups, step and data position, every rank's
         # generators) are the same bytes; so are the fp16 weights. Only the manifest (the run's
         # identity, the async switch itself) and DCP's metadata (a save id) may differ.
-        state_a, state_b = (a / "state" / "__0_0.distcp").read_bytes(), (b / "state" / "__0_0.distcp").read_bytes()
-        assert len(state_a) > 100_000 and state_a == state_b
+        for name in ("__0_0.distcp", "__0_1.distcp"):
+            state_a, state_b = (a / "state" / name).read_bytes(), (b / "state" / name).read_bytes()
+            assert len(state_a) > 100_000 and state_a == state_b
         assert (a / storage.WEIGHTS_FILE).read_bytes() == (b / storage.WEIGHTS_FILE).read_bytes()
         ma, mb = storage.verify(a), storage.verify(b)
         assert {k: v for k, v in ma.items() if k not in ("run_id", "config", "created_unix", "files")} == \

@@ -137,18 +137,23 @@ def test_every_tensor_is_written_raw_at_the_offset_its_metadata_records_and_read
     folder = publish_step(tmp_path, 1, {"model": state, "train": {"step": 1}})
     manifest = storage.verify(folder)  # the manifest's sha256 is the file's: the hash was over the bytes written
     assert manifest["format"] == storage.FORMAT == 3
-    data = (folder / STATE_FILE).read_bytes()
-    assert manifest["files"][STATE_FILE]["sha256"] == hashlib.sha256(data).hexdigest()
+    # The rank's items over format.PARTS files (written and read in parallel), the bytes items in the first.
+    files = {name.removeprefix("state/"): (folder / name).read_bytes() for name in manifest["files"] if name.startswith("state/__")}
+    assert sorted(files) == [f"__0_{k}.distcp" for k in range(format.PARTS)] and format.PARTS == 2
+    for name, data in files.items():
+        assert manifest["files"][f"state/{name}"]["sha256"] == hashlib.sha256(data).hexdigest()
     metadata = storage.read_metadata(folder, manifest)
     tensor_bytes = 0
     for name, t in state.items():
         info = info_of(metadata, f"model.{name}")
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert (info.dtype, info.shape, info.length) == (t.dtype, tuple(t.shape), len(raw))
+        data = files[info.relative_path]
         assert data[info.offset: info.offset + info.length] == raw, name  # no framing: the bytes as they are in memory
         tensor_bytes += len(raw)
     step = info_of(metadata, "train.step")
-    assert step.dtype is None and len(data) == tensor_bytes + step.length  # the bytes items and the tensors, nothing else
+    assert step.dtype is None and step.relative_path == "__0_0.distcp" and step.offset == 0
+    assert sum(map(len, files.values())) == tensor_bytes + step.length  # the bytes items and the tensors, nothing else
     got = storage.read_tensors(folder, manifest)
     assert list(got) == list(state)
     for name, t in state.items():
@@ -171,8 +176,8 @@ def test_a_load_reads_each_tensor_straight_into_the_destinations_memory(tmp_path
 @pytest.mark.parametrize("damage, expected", [
     ("truncated, the manifest resealed", r"model.\w+ lies at bytes \d+\+\d+ of state/__0_0.distcp, which holds \d+"),
     ("truncated", r"bytes, the manifest says"),
-    ("an offset past the end", r"model.big lies at bytes \d+\+\d+ of state/__0_0.distcp, which holds \d+"),
-    ("two items overlapping", r"the bytes of model.\w+ and model.\w+ overlap in state/__0_0.distcp"),
+    ("an offset past the end", r"model.big lies at bytes \d+\+\d+ of state/__0_\d.distcp, which holds \d+"),
+    ("two items overlapping", r"the bytes of model.\w+ and model.\w+ overlap in state/__0_\d.distcp"),
     ("a length short of the chunk's elements", r"model.ids: its chunk at \(0,\) has 5 elements of torch.int64, more than its 32 bytes hold"),
     ("another shape", r"model.ids: its chunk at \(0,\) is 5 elements of torch.int64 of shape \(5,\), its bytes 40 of torch.int64 of shape \(1, 5\)"),
     ("a length past the chunk's elements", r"model.\w+: its chunk at \(0,?\) is \d+ elements of torch.\w+ of shape \(\d*,?\), its bytes \d+"),
@@ -187,15 +192,17 @@ def test_a_damaged_or_forged_layout_is_refused_before_anything_is_allocated(tmp_
     def change(md):
         info = info_of(md, "model.ids")
         if damage == "an offset past the end":
-            info_of(md, "model.big").offset = size + 8
+            big = info_of(md, "model.big")
+            big.offset = (folder / "state" / big.relative_path).stat().st_size + 8
         elif damage == "two items overlapping":
-            info.offset = info_of(md, "model.mask").offset
+            mask = info_of(md, "model.mask")
+            info.relative_path, info.offset = mask.relative_path, mask.offset
         elif damage == "a length short of the chunk's elements":
             info.length -= 8
         elif damage == "another shape":
             info.shape = (1, 5)
         elif damage == "a length past the chunk's elements":  # the last item, over bytes appended to the file
-            last = max(md.storage_data.values(), key=lambda i: i.offset)
+            last = max((i for i in md.storage_data.values() if f"state/{i.relative_path}" == STATE_FILE), key=lambda i: i.offset)
             assert last.dtype is not None and last.shape is not None
             last.length += 8
         elif damage == "another dtype":
@@ -242,3 +249,17 @@ def test_a_newest_checkpoint_truncated_with_its_manifest_resealed_falls_back_to_
     resumed = tm.manager(tmp_path).load(st)
     assert resumed.step == 2 and st["counter"].value == 20
     assert "step_00000003" in caplog.text and "which holds" in caplog.text
+
+
+def test_a_format_3_checkpoint_of_one_file_a_rank_as_the_previous_release_wrote_loads_the_same_tensors(tmp_path, monkeypatch):
+    """Before a rank's items were split over format.PARTS files each rank wrote one file; the
+    metadata names every item's file, so the reader reads either layout (the manifest format stays 3)."""
+    state = model()
+    monkeypatch.setattr(format, "PARTS", 1)
+    folder = publish_step(tmp_path, 1, {"model": state, "train": {"step": 1}})
+    monkeypatch.undo()
+    manifest = storage.verify(folder)
+    assert [n for n in manifest["files"] if n.startswith("state/__")] == [STATE_FILE] and format.PARTS == 2
+    got = storage.read_tensors(folder, manifest)
+    for name, t in state.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name

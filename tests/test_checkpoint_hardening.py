@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import launch
-from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, format, storage
+from checkpoint import CheckpointConfig, CheckpointManager, RunMeta, files, format, storage
 
 STATE_FILE = "state/__0_0.distcp"
 METADATA = "state/.metadata"
@@ -90,9 +90,9 @@ def test_a_tensor_whose_chunks_leave_a_gap_is_refused_not_loaded_with_what_memor
 @pytest.mark.unit
 def test_a_tensor_whose_chunks_overlap_is_refused_even_when_their_elements_add_up(tmp_path):
     folder = publish_step(tmp_path, 1)
-    data = (folder / STATE_FILE).read_bytes()
     item = info_of(metadata_of(folder), "model.b")
-    with open(folder / STATE_FILE, "ab") as f:  # bytes for a second chunk, after the others
+    data = (folder / "state" / item.relative_path).read_bytes()
+    with open(folder / "state" / item.relative_path, "ab") as f:  # bytes for a second chunk, after the others
         f.write(data[item.offset: item.offset + item.length])
 
     def overlapping(metadata):  # two chunks of 2 over 4 elements, the second at 1: element 3 uncovered, 1-2 twice
@@ -111,17 +111,17 @@ def test_a_tensor_whose_chunks_overlap_is_refused_even_when_their_elements_add_u
 @pytest.mark.unit
 @pytest.mark.parametrize("forgery, expected", [
     ("a size of a trillion elements", r"model.w: its chunk at \(0, 0\) has 1000000000000 elements of torch.float32, more than its \d+ bytes hold"),
-    ("an offset past the end of the file", r"model.b lies at bytes \d+\+\d+ of state/__0_0.distcp, which holds \d+"),
-    ("a length past the end of the file", r"model.b lies at bytes \d+\+\d+ of state/__0_0.distcp, which holds \d+"),
+    ("an offset past the end of the file", r"model.b lies at bytes \d+\+\d+ of state/__0_\d.distcp, which holds \d+"),
+    ("a length past the end of the file", r"model.b lies at bytes \d+\+\d+ of state/__0_\d.distcp, which holds \d+"),
     ("a file the manifest does not list", r"model.b lies in '__7_0.distcp', which the manifest does not list"),
-    ("two items on the same bytes", r"the bytes of model.\w and model.\w overlap in state/__0_0.distcp"),
+    ("two items on the same bytes", r"the bytes of model.\w and model.\w overlap in state/__0_\d.distcp"),
 ])
 def test_every_size_and_offset_in_the_metadata_is_bounded_by_the_bytes_on_disk_before_anything_is_allocated(tmp_path, forgery, expected):
     folder = publish_step(tmp_path, 1)
-    size = (folder / STATE_FILE).stat().st_size
 
     def forge(metadata):
         info = info_of(metadata, "model.b")
+        size = (folder / "state" / info.relative_path).stat().st_size
         if forgery == "a size of a trillion elements":  # what a forged size once asked of the allocator (274 GB)
             md = metadata.state_dict_metadata["model.w"]
             md.size = torch.Size([10**6, 10**6])
@@ -129,12 +129,12 @@ def test_every_size_and_offset_in_the_metadata_is_bounded_by_the_bytes_on_disk_b
         elif forgery == "an offset past the end of the file":
             info.offset = size + 10
         elif forgery == "a length past the end of the file":
-            info.length = size
+            info.length = size + 1
         elif forgery == "a file the manifest does not list":
             info.relative_path = "__7_0.distcp"
         else:
             other = info_of(metadata, "model.w")
-            info.offset, info.length = other.offset, other.length
+            info.relative_path, info.offset, info.length = other.relative_path, other.offset, other.length
 
     forge_metadata(folder, forge)
     with pytest.raises(storage.CheckpointError, match=expected):
@@ -376,39 +376,26 @@ def test_a_leftover_replaced_checkpoint_with_a_linked_state_is_moved_aside_not_e
 
 
 # --------------------------------------------------------------------- (d) a full disk
-class FullDisk:
-    """A file that takes `room` bytes, then raises ENOSPC once, as a full disk does (the writes after
-    it, torch's end of the archive, go through: the buffer they land in is flushed only later)."""
-
-    def __init__(self, f, room):
-        self.f, self.n, self.room = f, 0, room
-
-    def write(self, b):
-        self.n += len(memoryview(b))
-        if self.n > self.room:
-            self.room = float("inf")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return self.f.write(b)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
 FULL_AT = 100_000
-"""Where the disk fills in a real run's state file: inside a tensor's record, where torch's zip
-writer once turned it into "unexpected pos" (measured on the code before the fix)."""
+"""Where the disk fills in a real run's state file: inside a tensor's bytes (torch's zip writer once
+turned a full disk there into "unexpected pos"; measured on the code before that fix)."""
 
 
 def full_disk_for_state_files(monkeypatch, room: int = 600, when=lambda path: True) -> None:
-    real_open = open
-    monkeypatch.setattr(format, "open", lambda path, mode="r", *a, **k: FullDisk(real_open(path, mode, *a, **k), room)
-                        if "w" in mode and when(str(path)) else real_open(path, mode, *a, **k), raising=False)
+    """Every state file whose path `when` accepts takes its first `room` bytes, then its write
+    raises ENOSPC, as a full disk does (a write across the limit writes what fits, as the kernel's
+    does; the next one fails). Through files._pwrite, where every StreamWriter's bytes go."""
+    real = files._pwrite
+
+    def pwrite(fd, view, offset):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "/state/" in path and when(path) and offset + len(view) > room:
+            if offset < room:
+                return real(fd, view[:room - offset], offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(files, "_pwrite", pwrite)
 
 
 @pytest.mark.unit

@@ -390,3 +390,54 @@ def test_every_file_is_fsynced_before_the_manifest_that_vouches_for_it_is_writte
     manifest_at = events.index(("manifest", storage.MANIFEST))
     for name in storage.verify(folder)["files"]:
         assert ("fsync", Path(name).name) in events[:manifest_at], (name, events)
+
+
+def _takes_o_direct(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
+@pytest.mark.parametrize("where", ["a disk that takes it", "refused at fcntl", "refused at the write"])
+def test_a_stream_writer_hashes_every_byte_in_file_order_and_writes_whole_blocks_with_o_direct_where_the_filesystem_takes_it(
+        tmp_path, monkeypatch, where):
+    """Buffers of odd sizes across the staging blocks' edges: the file is their bytes in order, its
+    entry their sha256 and size; every whole block is written at its offset with O_DIRECT where the
+    filesystem takes it (the tail through the page cache), through the page cache alone where it
+    refuses O_DIRECT, whether when it is set or at the first write."""
+    import fcntl
+
+    from checkpoint import files
+
+    assert _takes_o_direct(tmp_path), "this machine's disk takes O_DIRECT"
+    direct_here = where == "a disk that takes it"
+    block = files.STAGE_BLOCK
+    rng_ = np.random.default_rng(0)
+    buffers = [rng_.bytes(n) for n in (3, block + block // 2 + 5, block, 7, 2 * block - 15)]
+    writes, real, real_fcntl = [], files._pwrite, fcntl.fcntl
+
+    def spy(fd, view, offset):
+        flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+        if where == "refused at the write" and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        writes.append((offset, len(view), bool(flags & os.O_DIRECT)))
+        return real(fd, view, offset)
+
+    def refusing(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(files, "_pwrite", spy)
+    if where == "refused at fcntl":
+        monkeypatch.setattr(files.fcntl, "fcntl", refusing)
+    entry = files.write_stream(tmp_path / "f", [*buffers[:2], memoryview(buffers[2]), bytearray(buffers[3]), buffers[4]])
+    data = (tmp_path / "f").read_bytes()
+    whole = b"".join(buffers)
+    assert data == whole and entry == {"bytes": len(whole), "sha256": hashlib.sha256(whole).hexdigest()}
+    assert sorted(w[:2] for w in writes) == [(o, min(block, len(whole) - o)) for o in range(0, len(whole), block)]
+    assert [d for o, n, d in sorted(writes)] == [n == block and direct_here for o, n, d in sorted(writes)]

@@ -311,6 +311,27 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert "skipping checkpoint" in caplog.text and "step_00000003" in caplog.text and "does not match the manifest" in caplog.text
 
 
+@pytest.mark.parametrize("resume", ["auto", "the damaged step folder"])
+def test_a_resume_verifies_every_file_the_manifest_lists_not_only_the_states_it_reads(tmp_path, caplog, resume):
+    """The fp16 weights (not read by a resume) with a byte flipped, its size kept: a run that looks
+    for its newest checkpoint falls back to the previous one naming the file; a run told to resume
+    from that folder refuses it (a tool or a run: exit 1). Either way it is never counted as valid."""
+    run_steps(manager(tmp_path, interval=1, keep=5), states(), 3)
+    folder = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(3)
+    weights = folder / storage.WEIGHTS_FILE
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    st = states()
+    if resume == "auto":
+        resumed = manager(tmp_path).load(st)
+        assert resumed.step == 2 and st["counter"].value == 20
+        assert "skipping checkpoint" in caplog.text and f"{weights}: sha256" in caplog.text and "does not match the manifest" in caplog.text
+    else:
+        with pytest.raises(storage.CheckpointError, match=f"{weights}: sha256 .* does not match the manifest"):
+            manager(tmp_path, resume=str(folder)).load(st)
+
+
 def test_any_number_of_managers_in_one_process_each_make_and_free_their_own_thread_and_group(tmp_path):
     """No module global outlives its run: two runs one after the other in one process, each with
     background saves, each drains and closes."""

@@ -103,8 +103,9 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_the_code_never_runs(t
     torch.save(Payload(), evil)
     data[info.offset:info.offset + info.length] = evil.getvalue()
     (folder / STATE_FILE).write_bytes(bytes(data))
-    for name in metadata.storage_data:  # the offsets after it moved with it: fix them up, as a forger would
-        if metadata.storage_data[name].offset > info.offset:
+    for name in metadata.storage_data:  # the offsets after it in its file moved with it: fix them up, as a forger would
+        other = metadata.storage_data[name]
+        if other.relative_path == info.relative_path and other.offset > info.offset:
             metadata.storage_data[name].offset += len(evil.getvalue()) - info.length
     metadata.storage_data[next(k for k in metadata.storage_data if k.fqn == "train.step")].length = len(evil.getvalue())
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))

@@ -33,6 +33,11 @@ def test_the_shipped_configs_load():
     ("train.steps", "expected key=value"),
     ("train.grpo.scale_rewards=false", r"train.grpo.scale_rewards: expected one of 'group', 'batch', 'none', got 'false'"),
     ("data.resume_seq_len=yes", r"data.resume_seq_len: expected one of refuse, repack, got 'true'"),
+    ("train.lr=nan", r"train.lr: expected a finite number, got 'nan'"),
+    ("train.beta1=.nan", r"train.beta1: expected a finite number, got nan"),
+    ("model.rope_theta=.inf", r"model.rope_theta: expected a finite number, got inf"),
+    ("train.grad_clip=-inf", r"train.grad_clip: expected a finite number, got '-inf'"),
+    ("model.rope_scaling.factor=1e999", r"model.rope_scaling.factor: expected a finite number, got '1e999'"),
 ])
 def test_a_bad_override_is_an_error_naming_the_key_and_what_was_expected(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -49,6 +54,14 @@ def test_a_bad_file_is_an_error_naming_the_file(tmp_path):
         load_config(f)
     with pytest.raises(ConfigError, match=r"missing.yaml does not exist"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"config file .* is a directory \(expected a YAML file"):
+        load_config(tmp_path)
+    f.write_text("train:\n  lr: 1e-3\n  steps: 3\n  lr: 2e-3\n")  # YAML keeps the last one silently
+    with pytest.raises(ConfigError, match=r"bad.yaml: line 4: key 'lr' is given twice \(first at line 2\)"):
+        load_config(f)
+    f.write_bytes(b"train:\n  lr: \xff\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not UTF-8 text \(byte 13 is 0xff\)"):
+        load_config(f)
 
 
 def test_the_resolved_config_round_trips_through_yaml(tmp_path):

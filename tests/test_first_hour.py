@@ -258,3 +258,30 @@ def test_a_run_that_ends_with_0_prints_its_models_greedy_reply_above_the_outcome
     quiet = tmp_path / "quiet"
     assert launch.in_process(*tiny, "train.steps=3", "log.sample_prompt=", f"out_dir={quiet}")[0] == 0
     assert closing(quiet)[0] == "[sample] (log.sample_prompt is empty: none)"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "RUN", "--port", "99999"], "argument --port: expected an integer from 0 to 65535, got '99999'"),
+    (["serve", "RUN", "--slots", "0"], "argument --slots: expected an integer at least 1, got '0'"),
+    (["serve", "RUN", "--queue", "-1"], "argument --queue: expected an integer at least 0, got '-1'"),
+    (["status", "RUN", "--exit-code", "--wait-s", "inf"], "argument --wait-s: expected a number at least 0, got 'inf'"),
+    (["eval", "RUN", "--limit", "many"], "argument --limit: expected an integer, got 'many'"),
+])
+def test_a_tools_flag_out_of_its_range_is_argparses_exit_2_naming_the_flag_before_anything_is_read(argv, expected, capsys):
+    import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expected in err and "Traceback" not in err, err
+
+
+@pytest.mark.unit
+def test_status_of_a_folder_that_holds_no_run_is_bad_input_naming_what_a_run_folder_holds(tmp_path, capsys):
+    import cli
+
+    (tmp_path / "notes.txt").write_text("not a run\n")
+    assert cli.main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: not a run folder (none of .lock, status.json, config.yaml, metrics.jsonl, checkpoints in it)" in err, err

@@ -145,6 +145,10 @@ def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(t
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3", "data.mix_drop=b")
     assert code == 0 and "data.mix: a new phase from step 2" in err and "dropped b" in err, err
     assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3]
+    # The same command again, further on: 'b' was dropped by an earlier phase, not a typo; no new phase.
+    code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=4", "data.mix_drop=b")
+    assert code == 0 and "new phase" not in err, err
+    assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 @pytest.mark.e2e

@@ -89,7 +89,7 @@ def test_inspect_reads_a_run_folder_and_a_checkpoint_folder(reference):
         assert info["step"] == 20 and info["epoch"] == 2 and info["samples_seen"] == 32
         assert info["world_size"] == 2 and info["global_batch"] == 8 and info["micro_batch"] == 2
         assert len(info["model_sha256"]) == 64 and info["manifest_model_sha256_matches"]
-        assert set(info["files"]) == {"state/.metadata", "state/__0_0.distcp", storage.WEIGHTS_FILE}
+        assert set(info["files"]) == {"state/.metadata", "state/__0_0.distcp", "state/__0_1.distcp", storage.WEIGHTS_FILE}
         assert info["ranks_with_rng_state"] == 2
 
 

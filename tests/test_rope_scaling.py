@@ -28,6 +28,14 @@ def test_a_rope_scaling_we_do_not_implement_or_a_factor_below_one_exits_2_naming
     assert code == 2 and expected in err and "Traceback" not in err, err
 
 
+@pytest.mark.e2e
+def test_a_resume_under_another_yarn_factor_is_refused_naming_both_values(tmp_path):
+    run = ["train.steps=1", "checkpoint.interval=1", "model.dim=32", "model.n_layers=1", f"out_dir={tmp_path}"]
+    assert launch.in_process(*run, yarn({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}))[0] == 0
+    code, err = launch.in_process(*run, "train.steps=2", yarn({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
+    assert code == 2 and "model.rope_scaling: factor changed (2.0 in the checkpoint, 4.0 in this run)" in err, err
+
+
 @pytest.mark.unit
 def test_plain_rope_keeps_the_identity_it_had_and_yarn_changes_it():
     plain = config(QWEN)

@@ -137,7 +137,7 @@ def test_a_run_with_minimind_tokenizer_halted_and_resumed_ends_bit_identical(tmp
     launch.assert_identical(out, ref)
     assert launch.inspect(out)["data_fingerprint"]["vocab_size"] == 6400
     manifest = launch.storage_manifest(out, 20)
-    assert set(manifest["files"]) == {storage.WEIGHTS_FILE, *storage.TOKENIZER_FILES, "state/.metadata", "state/__0_0.distcp"}  # the tokenizer files travel in every checkpoint
+    assert set(manifest["files"]) == {storage.WEIGHTS_FILE, *storage.TOKENIZER_FILES, "state/.metadata", "state/__0_0.distcp", "state/__0_1.distcp"}  # the tokenizer files travel in every checkpoint
     ckpt = out / runfolder.CHECKPOINTS / storage.step_dir_name(20)
     assert (ckpt / tokenizers.TOKENIZER_FILE).read_bytes() == MINIMIND.read_bytes()
 
