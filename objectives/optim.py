@@ -41,7 +41,11 @@ class AdamW(torch.optim.AdamW):
 
 
 def make_optimizer(model: torch.nn.Module, t) -> torch.optim.AdamW:
-    """AdamW over the parameters that train; weight decay on matrices only (not on norms)."""
+    """AdamW over the parameters that train; weight decay on matrices only (not on norms). torch's
+    for-loop implementation, not its fused kernel: the fused CPU kernel, about 4x faster at 26M,
+    computes a tensor's last elements past a multiple of the vector width another way than the
+    rest, so an FSDP shard gave other bits than the whole tensor (a LoRA run on 3 ranks, 2e-10 off
+    from step 2; measured, docs/performance.md): the exactness across strategies is worth more."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
