@@ -25,6 +25,7 @@ import runtime
 import weights
 from checkpoint import CheckpointManager, ModelState, OptimizerState, Resumed, RunMeta, model_sha256, new_run_id
 from common.files import atomic_write
+from common.kernels import reproducible_kernels
 from common.outcome import attempt, exit_code, outcome_of
 from common.seeds import derive_seed, seed_all
 from configs import Config, ConfigError, describe, load_config, load_tokenizer, to_dict
@@ -296,6 +297,7 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
 
 
 def main(argv: list[str] | None = None) -> int:
+    reproducible_kernels()  # before the first matmul (common/kernels.py)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="keys (key=value overrides the YAML):\n" + describe())
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML file (default: %(default)s)")

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from checkpoint import format, storage
+from common.kernels import reproducible_kernels
 from common.outcome import BadInput, command
 from run import folder
 
@@ -421,4 +422,5 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    reproducible_kernels()  # greedy and seeded replies the same bits every time (common/kernels.py)
     return command(_run, argv)

@@ -181,9 +181,13 @@ class DataConfig:
             raise ConfigError("data.val_path and data.val_samples: give one validation set, not both")
         if self.mix:
             try:
-                parse_mix(self.mix, self.format)
+                sources = parse_mix(self.mix, self.format)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            both = sorted({n.strip() for n in self.mix_drop.split(",")} & {src.name for src in sources})
+            if both:
+                raise ConfigError(f"data.mix_drop: {both[0]!r} is also a source of data.mix; drop a source by leaving it out of "
+                                  f"data.mix and naming it here")
             if self.path != "stdlib":
                 raise ConfigError(f"data.path={self.path} with data.mix: give the corpus as one of data.mix's sources")
             if self.num_samples:
@@ -296,6 +300,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(1 << 63) <= value < (1 << 63):  # every int key ends in a C integer (a seed, a count, a timeout)
+                raise ConfigError(f"{key}: expected an integer that fits in 64 bits, got {value}")
             return value
     elif typ is float:
         number = None
@@ -379,6 +385,8 @@ def parse_overrides(overrides: list[str], where: str = "command line") -> dict:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except RecursionError:
+            raise ConfigError(f"{where}: {key.strip()}: the value is nested too deeply to be a config value") from None
         node = tree
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -417,20 +425,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory (expected a YAML file, e.g. configs/tiny.yaml)")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} {'is not a regular file' if path.exists() else 'does not exist'} (expected a YAML file)")
         try:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); a config is a YAML file") from None
         except _Duplicate as e:
             raise ConfigError(f"{path}: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a config") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
         _build(Config, loaded, "", str(path), construct=False)  # key and type errors name the file
         data = loaded
-    env = parse_overrides(shlex.split(os.environ.get(ENV_OVERRIDES, "")), ENV_OVERRIDES)
+    try:
+        env = parse_overrides(shlex.split(os.environ.get(ENV_OVERRIDES, "")), ENV_OVERRIDES)
+    except ValueError as e:  # shlex: an unclosed quote
+        raise ConfigError(f"{ENV_OVERRIDES}: {e} (it is split as a shell would: key=value key=value ...)") from None
     _build(Config, env, "", ENV_OVERRIDES, construct=False)
     cli = parse_overrides(overrides or [])
     _build(Config, cli, "", "command line", construct=False)

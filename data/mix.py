@@ -97,7 +97,7 @@ class MixOrder:
         self.weights = [w / total for w in weights]
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self.base_step, self.base = 0, [0] * len(names)
-        self.dropped: list[str] = []  # sources an earlier phase dropped (data.mix_drop may keep naming them)
+        self.dropped: dict[str, int] = {}  # sources an earlier phase dropped, with their counts (named again: they go on from there)
         self.counts: dict[int, list[int]] = {0: [0] * len(names)}
         self._orders: dict[int, tuple[int, object]] = {}
         self._steps: dict[int, list[int]] = {}
@@ -162,12 +162,13 @@ class MixOrder:
         """Continue from a checkpoint's position; a new phase when the sources or weights changed.
         Returns the line that says so (None: the same phase). A DataError for a refused change."""
         gone = sorted(set(saved["counts"]) - set(self.names))
-        earlier = set(saved.get("dropped", []))  # the same command run again after its phase began names them still
-        unknown = sorted(drop - set(saved["counts"]) - earlier)
+        earlier = {n: int(c) for n, c in dict(saved.get("dropped") or {}).items()}  # the same command run again names them still
+        unknown = sorted(drop - set(saved["counts"]) - set(earlier))
         if unknown:
             raise DataError(f"data.mix_drop: {unknown[0]!r} is no source of the checkpoint's mix ({', '.join(sorted(saved['counts']))}): "
                             f"name one that was in it")
-        self.dropped = sorted((earlier | set(gone)) - set(self.names))
+        dropped = {**earlier, **{n: int(saved["counts"][n]) for n in gone}}
+        self.dropped = {n: c for n, c in sorted(dropped.items()) if n not in self.names}
         refused = [n for n in gone if n not in drop]
         if refused:
             raise DataError(f"data.mix: source {refused[0]!r} was in the mix at step {saved['step']} and is not now: removing a "
@@ -176,7 +177,8 @@ class MixOrder:
             if n in saved_identities and saved_identities[n] != identities[n]:
                 raise DataError(f"data.mix: source {n!r} changed since the checkpoint ({saved_identities[n]} -> {identities[n]}): "
                                 f"its order would not continue; give a changed corpus another name")
-        step, counts = int(saved["step"]), [int(saved["counts"].get(n, 0)) for n in self.names]
+        # A source dropped before and named again goes on from its count, not from its first sample again.
+        step, counts = int(saved["step"]), [int(saved["counts"].get(n, dropped.get(n, 0))) for n in self.names]
         same = not gone and set(saved["counts"]) == set(self.names) and all(
             abs(saved["weights"][n] - w) == 0 for n, w in zip(self.names, self.weights))
         self._steps, self.counts = {}, {step: counts}

@@ -38,6 +38,7 @@ def test_the_shipped_configs_load():
     ("model.rope_theta=.inf", r"model.rope_theta: expected a finite number, got inf"),
     ("train.grad_clip=-inf", r"train.grad_clip: expected a finite number, got '-inf'"),
     ("model.rope_scaling.factor=1e999", r"model.rope_scaling.factor: expected a finite number, got '1e999'"),
+    ("seed=18446744073709551616", r"seed: expected an integer that fits in 64 bits, got 18446744073709551616"),
 ])
 def test_a_bad_override_is_an_error_naming_the_key_and_what_was_expected(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -56,6 +57,8 @@ def test_a_bad_file_is_an_error_naming_the_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match=r"config file .* is a directory \(expected a YAML file"):
         load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"config file /dev/null is not a regular file \(expected a YAML file\)"):
+        load_config("/dev/null")
     f.write_text("train:\n  lr: 1e-3\n  steps: 3\n  lr: 2e-3\n")  # YAML keeps the last one silently
     with pytest.raises(ConfigError, match=r"bad.yaml: line 4: key 'lr' is given twice \(first at line 2\)"):
         load_config(f)
@@ -70,3 +73,16 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     f.write_text(yaml.safe_dump(to_dict(cfg)))
     assert to_dict(load_config(f)) == to_dict(cfg)
     assert "async" in yaml.safe_load(f.read_text())["checkpoint"]
+
+
+def test_an_unparsable_environment_override_or_a_value_nested_too_deeply_is_bad_input_naming_where(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIMIND_OVERRIDES", "seed='1")
+    with pytest.raises(ConfigError, match=r"MINIMIND_OVERRIDES: No closing quotation"):
+        load_config(None)
+    monkeypatch.delenv("MINIMIND_OVERRIDES")
+    with pytest.raises(ConfigError, match=r"command line: seed: the value is nested too deeply"):
+        load_config(None, ["seed=" + "[" * 5000 + "]" * 5000])
+    f = tmp_path / "deep.yaml"
+    f.write_text("seed: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep.yaml: nested too deeply to be a config"):
+        load_config(f)

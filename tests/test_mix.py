@@ -136,7 +136,8 @@ def test_weights_changed_and_a_source_added_on_a_resume_start_a_phase_equal_to_t
 
 @pytest.mark.e2e
 def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(tmp_path, tiny, sources):
-    run = [*(o for o in tiny if not o.startswith("data.path=")), "train.global_batch=4", "train.micro_batch=2", "checkpoint.interval=1", f"out_dir={tmp_path}"]
+    run = [*(o for o in tiny if not o.startswith("data.path=")), "train.global_batch=4", "train.micro_batch=2", "checkpoint.interval=1",
+           "log.sample_ids=true", f"out_dir={tmp_path}"]
     assert launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=2")[0] == 0
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=3")
     assert code == 2 and "data.mix: source 'b' was in the mix at step 2 and is not now" in err and "data.mix_drop" in err, err
@@ -149,6 +150,13 @@ def test_a_source_removed_on_a_resume_is_refused_unless_data_mix_drop_names_it(t
     code, err = launch.in_process(*run, mix(sources, a=1), "train.steps=4", "data.mix_drop=b")
     assert code == 0 and "new phase" not in err, err
     assert [m["step"] for m in launch.metrics(tmp_path)] == [1, 2, 3, 4]
+    # 'b' named again goes on from the samples it had given at step 2, not from its first one.
+    b_at_2 = sum(1 for m in launch.metrics(tmp_path)[:2] for i in m["sample_ids"] if i >= launch.storage_manifest(tmp_path, 2)[
+        "data_fingerprint"]["mix"]["a"]["samples"])
+    code, err = launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=5", "data.mix_drop=b")
+    assert code == 2 and "data.mix_drop: 'b' is also a source of data.mix" in err, err
+    code, err = launch.in_process(*run, mix(sources, a=1, b=1), "train.steps=5")
+    assert code == 0 and "data.mix: a new phase from step 4" in err and f", b={b_at_2}" in err and b_at_2 > 0, err
 
 
 @pytest.mark.e2e
