@@ -42,6 +42,7 @@ import io
 import math
 import os
 import pickle
+import threading
 import uuid
 import warnings
 import zipfile
@@ -86,12 +87,18 @@ def _raw_item_class():
     return RawItem
 
 
+_raw_item_lock = threading.Lock()
+
+
 def __getattr__(name: str):
     # RawItem is made at its first use: DCP's modules take most of a second to import, and most uses
-    # of this module (the tools' listings) never need them.
+    # of this module (the tools' listings) never need them. Once, under a lock: a rank's files are
+    # written by two threads, and a second class of the same name would not pickle as this module's.
     if name == "RawItem":
-        globals()["RawItem"] = cls = _raw_item_class()
-        return cls
+        with _raw_item_lock:
+            if "RawItem" not in globals():
+                globals()["RawItem"] = _raw_item_class()
+        return globals()["RawItem"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -358,6 +365,7 @@ def _write_items(folder: Path, prefix: str, items: list, planner) -> tuple[list,
     `folder` (at most PARTS; `_split`), one thread each; returns DCP's WriteResults and every
     file's manifest entry by its name. Every file is done (written or failed) before this returns;
     the first failure, in file order, is raised."""
+    raw_item()  # made here, before the threads (one class: __getattr__)
     parts = [[(item, planner.resolve_data(item)) for item in part] for part in _split(items)]
     names = [f"{prefix}{k}.distcp" for k in range(len(parts))]
     futures = [_files.submit(_write_part, folder / name, name, part) for name, part in zip(names[1:], parts[1:])]

@@ -263,3 +263,22 @@ def test_a_format_3_checkpoint_of_one_file_a_rank_as_the_previous_release_wrote_
     got = storage.read_tensors(folder, manifest)
     for name, t in state.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_the_raw_item_class_is_made_once_even_when_a_ranks_two_files_are_written_at_once(tmp_path, monkeypatch):
+    """Made lazily, RawItem was once made by both writer threads of a first save: the metadata then
+    held a second class of that name, which does not pickle as this module's (a CI run's failure)."""
+    import time
+
+    made, real = [], format._raw_item_class
+
+    def slow():
+        made.append(1)
+        time.sleep(0.2)  # both threads inside at once, were they both to make it
+        return real()
+
+    monkeypatch.delitem(format.__dict__, "RawItem", raising=False)
+    monkeypatch.setattr(format, "_raw_item_class", slow)
+    folder = publish_step(tmp_path, 1, {"model": model(), "train": {"step": 1}})
+    assert made == [1] and format.PARTS == 2
+    assert torch.equal(storage.read_tensors(folder, storage.verify(folder))["big"], model()["big"])
