@@ -157,11 +157,11 @@ def half_weights(model_state: dict[str, torch.Tensor], single_thread: bool = Fal
     """fp16 copy for inference (MiniMind's convention); tensors that share memory stay one tensor.
     `single_thread`: convert fp32 CPU tensors with numpy (same rounding, no second OpenMP team
     fighting the training's for the cores)."""
-    converted: dict[str, torch.Tensor] = {}
-    for k, first in _shared(model_state).items():
+    firsts, converted = _shared(model_state), {}
+    for first in firsts.values():
         if first not in converted:
             converted[first] = _half(model_state[first], single_thread)
-    return {k: converted[first] for k, first in _shared(model_state).items()}
+    return {k: converted[first] for k, first in firsts.items()}
 
 
 _SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",

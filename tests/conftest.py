@@ -27,7 +27,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ.get("XDG_CA
 # bits whatever the threads and shape there. The committed fixtures (tests/fixtures/) were written on
 # another CPU; where this one does not compute their bits, the tests that resume them say so and prove
 # the resume against itself (tests/launch.py fixture_bits_here).
-PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+from common.kernels import MKL_REPRODUCIBLE  # noqa: E402 - the trainer's own default for MKL (no torch imported)
+
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": MKL_REPRODUCIBLE, "ONEDNN_MAX_CPU_ISA": "AVX2"}
 if "torch" not in sys.modules:
     for _key, _value in PORTABLE_KERNELS.items():
         os.environ.setdefault(_key, _value)
