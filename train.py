@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from run.metrics import Metrics, truncate
 from run.protocol import Protocol, describe as describe_error
 from run.state import TrainState
 from run.stop import StopFlag, exit_now, ignore_stop_signals
-from runtime.logs import say_refusal
+from runtime.logs import say, say_refusal
 
 log = logging.getLogger("minimind")
 
@@ -327,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome, message = protocol.conclude(e, stop.signal) if protocol else (outcome_of(e), f"error: {describe_error(e)}")
         level = logging.WARNING if outcome == "stopped" else logging.ERROR
         if rt is None:
-            print(message, file=sys.stderr)
+            say(message)
         else:
             log.log(level, "%s; exit %d%s", message, exit_code(outcome), " (resume me)" if outcome == "stopped" else "")
     finally:

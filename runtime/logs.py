@@ -7,13 +7,14 @@ from .setup import Runtime
 
 
 class _TqdmAwareHandler(logging.StreamHandler):
-    """Writes through tqdm, so a log line never lands in the middle of the progress bar."""
+    """Writes through tqdm, so a log line never lands in the middle of the progress bar; the line and
+    its newline in one write (see say)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record) + "\n", file=self.stream, end="")
         except Exception:  # noqa: BLE001 - logging must not raise
             self.handleError(record)
 
@@ -44,4 +45,14 @@ def say_refusal(message: str) -> None:
     rank = int(os.environ.get("RANK", "0") or 0)
     if rank:
         time.sleep(PEER_GRACE_S)
-    print(f"[rank {rank}] {message}" if rank else message, file=sys.stderr, flush=True)
+    say(f"[rank {rank}] {message}" if rank else message)
+
+
+def say(line: str) -> None:
+    """One line to stderr in one write: the ranks of a torchrun share its stderr, and Python's is
+    unbuffered when it is a pipe, so print's text and newline (two writes) of two ranks interleave
+    into one line and another rank's line loses its own (a CI run of the GRPO timeout test)."""
+    import sys
+
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -217,3 +217,31 @@ def test_a_background_write_failing_on_rank_1_alone_stops_every_rank_at_the_next
     # Found at a boundary after the failed write (the one after step 4 or 5, or 6 on a loaded machine) or by
     # the save of step 6 that waits for it: never a later checkpoint, never a later step.
     assert 4 <= launch.lines(out / "metrics.jsonl") <= 6
+
+
+@pytest.mark.unit
+def test_a_rank_s_line_and_its_newline_go_out_in_one_write_so_two_ranks_lines_never_join(monkeypatch):
+    """The ranks of a torchrun share its stderr, unbuffered on a pipe: a line written as its text and
+    then its newline let another rank's line land between the two (a CI run: rank 1's last line and
+    rank 0's joined, and rank 0's was no longer a line of its own)."""
+    import logging
+    import sys
+
+    from runtime.logs import _TqdmAwareHandler, say
+
+    writes = []
+
+    class Stream:
+        def write(self, s):
+            writes.append(s)
+            return len(s)
+
+        def flush(self):
+            pass
+
+    handler = _TqdmAwareHandler(Stream())
+    handler.setFormatter(logging.Formatter("[rank 1] %(message)s"))
+    handler.emit(logging.LogRecord("x", logging.ERROR, __file__, 1, "rank 0 failed; exit %d", (1,), None))
+    monkeypatch.setattr(sys, "stderr", Stream())
+    say("reward did not return; exit 1")
+    assert [w for w in writes if w] == ["[rank 1] rank 0 failed; exit 1\n", "reward did not return; exit 1\n"]
