@@ -290,6 +290,10 @@ class Config:
             raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: every float key reaches fp32 arithmetic (the optimizer, the model's buffers)."""
+
+
 def _key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
@@ -315,6 +319,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if number is not None:
             if not math.isfinite(number):  # no key takes nan or inf: training on one is NaN weights, or a crash deep inside
                 raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            if abs(number) > FLOAT32_MAX:  # a learning rate of 1e300 is inf in the fp32 optimizer: a crash deep inside
+                raise ConfigError(f"{key}: expected a number within float32's range (at most {FLOAT32_MAX:.4g} in size), got {value!r}")
             return number
     elif typ is list:
         if isinstance(value, list):
@@ -382,7 +388,9 @@ def parse_overrides(overrides: list[str], where: str = "command line") -> dict:
             raise ConfigError(f"{where}: expected key=value, got {item!r}")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_UniqueKeys) if raw.strip() else ""
+        except _Duplicate as e:
+            raise ConfigError(f"{where}: {key.strip()}: {str(e).replace('line 1: ', '')}") from None
         except yaml.YAMLError:
             value = raw
         except RecursionError:

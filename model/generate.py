@@ -59,14 +59,14 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
     problems = []
     if max_new_tokens is not None and max_new_tokens < 0:
         problems.append(f"--tokens must be >= 0, got {max_new_tokens}")
-    if math.isnan(temperature) or temperature < 0:
-        problems.append(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        problems.append(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k < 0:
         problems.append(f"--top-k must be >= 0 (0: all ids), got {top_k}")
     if math.isnan(top_p) or not 0 < top_p <= 1:
         problems.append(f"--top-p must be in (0, 1], got {top_p}")
-    if math.isnan(repetition_penalty) or repetition_penalty <= 0:
-        problems.append(f"--repetition-penalty must be > 0 (1: none), got {repetition_penalty}")
+    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        problems.append(f"--repetition-penalty must be a finite number > 0 (1: none), got {repetition_penalty}")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -41,6 +41,12 @@ def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
 
 
+MAX_THREADS = 4096
+"""More intra-op threads than any machine has cores (torch takes a C int; billions end in an overflow or a crash)."""
+MAX_TIMEOUT_S = 2**31 - 1
+"""The longest collective timeout, in seconds (68 years: a C int, which every layer below takes)."""
+
+
 @dataclass
 class RuntimeConfig:
     device: str = "auto"
@@ -52,8 +58,8 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         choice("runtime.device", self.device, ("auto", "cpu", "cuda"))
-        if self.threads < 0:
-            raise ValueError(f"runtime.threads: expected a non-negative number, got {self.threads}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"runtime.threads: expected 0 (the default) to {MAX_THREADS} threads, got {self.threads}")
 
 
 @dataclass
@@ -74,8 +80,8 @@ class DistConfig:
         choice("dist.reduce", self.reduce, ("ddp", "canonical"))
         choice("dist.strategy", self.strategy, ("ddp", "fsdp"))
         choice("dist.backend", self.backend, ("auto", "gloo", "nccl"))
-        if self.timeout_s <= 0:
-            raise ValueError(f"dist.timeout_s: expected a positive number, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"dist.timeout_s: expected 1 to {MAX_TIMEOUT_S} seconds (a C int), got {self.timeout_s}")
 
 
 class SetupConfig(Protocol):

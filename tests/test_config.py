@@ -39,6 +39,10 @@ def test_the_shipped_configs_load():
     ("train.grad_clip=-inf", r"train.grad_clip: expected a finite number, got '-inf'"),
     ("model.rope_scaling.factor=1e999", r"model.rope_scaling.factor: expected a finite number, got '1e999'"),
     ("seed=18446744073709551616", r"seed: expected an integer that fits in 64 bits, got 18446744073709551616"),
+    ("train.lr=1e300", r"train.lr: expected a number within float32's range \(at most 3.403e\+38 in size\), got '1e300'"),
+    ("runtime.threads=4294967296", r"runtime.threads: expected 0 \(the default\) to 4096 threads, got 4294967296"),
+    ("dist.timeout_s=2147483648", r"dist.timeout_s: expected 1 to 2147483647 seconds \(a C int\), got 2147483648"),
+    ("data.mix={a: 1, a: 2}", r"command line: data.mix: key 'a' is given twice \(first at line 1\); say it once"),
 ])
 def test_a_bad_override_is_an_error_naming_the_key_and_what_was_expected(override, match):
     with pytest.raises(ConfigError, match=match):
