@@ -33,6 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.kernels import reproducible_kernels  # noqa: E402
+
+# Before the first matmul: every section, and every process it starts (MiniMind's trainer too), runs
+# MKL's branch of the trainer's default (its reproducible one unless MKL_CBWR is set), so a row's two
+# sides share their arithmetic and --only SECTION runs as the whole bench does; the JSON records it.
+reproducible_kernels()
+
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
@@ -1753,12 +1760,12 @@ def report(rows: list[dict], a: argparse.Namespace, t0: float) -> int:
     if a.json:
         run = {"command": " ".join(["python", "scripts/bench.py", *(argv_of(a))]), "quick": a.quick, "only": a.only,
                "seconds": round(time.time() - t0), "torch": torch.__version__, "cores": os.cpu_count(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+               "mkl_cbwr": os.environ.get("MKL_CBWR", "(MKL's default)"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         if a.only and a.json.exists():  # some sections again: their rows replace theirs, the others' stay, each run said
             old = json.loads(a.json.read_text())
             kept = [r for r in old["rows"] if r.get("section") not in a.only]
             rows = sorted(kept + rows, key=lambda r: SECTIONS.index(r["section"]) if r.get("section") in SECTIONS else len(SECTIONS))
-            reruns = {**old.get("reruns", {}), **{name: {k: run[k] for k in ("command", "seconds", "date", "torch", "cores")}
+            reruns = {**old.get("reruns", {}), **{name: {k: run[k] for k in ("command", "seconds", "date", "torch", "cores", "mkl_cbwr")}
                                                   for name in a.only}}
             run = {**{k: v for k, v in old.items() if k not in ("rows", "aims_missed", "reruns")}, "reruns": reruns}
         run["aims_missed"] = [r["what"] for r in rows if r["meets_aim"] is False]
