@@ -1065,9 +1065,16 @@ def peer_corpus(work: Path, lines: int) -> Path:
     return out
 
 
-def minimind_run(scratch: Path, corpus: Path, work: Path, compile_: bool) -> float:
+def mkl_default_env() -> dict:
+    """This process's environment without MKL_CBWR: a child's MKL on its default branch (unless the
+    child sets one itself, as train.py does)."""
+    return {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+
+
+def minimind_run(scratch: Path, corpus: Path, work: Path, compile_: bool, mkl_default: bool = False) -> float:
     """MiniMind's train_pretrain.py, unmodified, from the scratch copy: one epoch over `corpus`
-    (so its step count is the corpus's lines / 8); seconds from start to exit."""
+    (so its step count is the corpus's lines / 8); seconds from start to exit. MKL on the bench's
+    branch (the trainer's reproducible one), or with `mkl_default` on MKL's default, as its users run it."""
     out = work / "mm-out"
     cmd = [sys.executable, "train_pretrain.py", "--data_path", str(corpus), "--hidden_size", "512", "--num_hidden_layers", "8",
            "--max_seq_len", "256", "--batch_size", "8", "--accumulation_steps", "1", "--epochs", "1", "--num_workers", "1",
@@ -1075,7 +1082,8 @@ def minimind_run(scratch: Path, corpus: Path, work: Path, compile_: bool) -> flo
            "--use_compile", "1" if compile_ else "0"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=scratch / "trainer", capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+                          env={**(mkl_default_env() if mkl_default else os.environ), "HF_DATASETS_OFFLINE": "1",
+                               "TOKENIZERS_PARALLELISM": "false"})
     seconds = time.perf_counter() - t0
     with open(work / "minimind.log", "a") as f:
         f.write(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n")
@@ -1108,6 +1116,18 @@ def matmul_peak(n: int = 2048, repeats: int = 8) -> float:
     return 2 * n**3 / best
 
 
+def matmul_peak_mkl_default() -> float:
+    """matmul_peak in a child whose MKL runs its default branch (MKL reads MKL_CBWR once, at its
+    first call: this process's is the bench's)."""
+    import inspect
+
+    code = f"import math, time, torch\n{inspect.getsource(matmul_peak)}\nprint(matmul_peak())"  # not `import bench`: it sets MKL_CBWR
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=mkl_default_env())
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: the matmul peak on MKL's default branch failed:\n{proc.stderr[-3000:]}")
+    return float(proc.stdout.split()[-1])
+
+
 def peer_rows(work: Path, short: int, long: int, rounds: int) -> list[dict]:
     """Our loop beside MiniMind's own trainer, unmodified (its files at the shared commit, copied to
     a scratch folder, as it writes beside itself): the same width and depth, batch 8 x 256, CPU, one
@@ -1129,12 +1149,13 @@ def peer_rows(work: Path, short: int, long: int, rounds: int) -> list[dict]:
     ours_run(big, 2, work, False)  # pack both corpora ahead: the runs below read the cache
     ours_run(small, 2, work, False)
     ours_run(small, 3, work, True)  # fill the compile cache: every compiled run below reads it
-    per: dict[str, list[float]] = {"mm": [], "ours": [], "ours_c": []}
+    per: dict[str, list[float]] = {"mm": [], "ours": [], "ours_c": [], "mm_d": []}
     for _ in range(rounds):
         mm = [minimind_run(scratch, c, work, False) for c in (small, big)]
         us = [ours_run(c, n, work, False) for c, n in ((small, short), (big, long))]
         uc = [ours_run(c, n, work, True) for c, n in ((small, short), (big, long))]
-        for key, t in (("mm", mm), ("ours", us), ("ours_c", uc)):
+        md = [minimind_run(scratch, c, work, False, mkl_default=True) for c in (small, big)]
+        for key, t in (("mm", mm), ("ours", us), ("ours_c", uc), ("mm_d", md)):
             per[key].append((t[1] - t[0]) / (long - short))
     # MiniMind pads each document to 256: the positions that carry a loss, over the long corpus
     from tokenizers import Tokenizer
@@ -1144,20 +1165,33 @@ def peer_rows(work: Path, short: int, long: int, rounds: int) -> list[dict]:
     carried = statistics.mean(min(len(e.ids) + 2, 256) - 1 for e in tok.encode_batch(texts, add_special_tokens=False))
     step = {k: statistics.median(v) for k, v in per.items()}
     by_round = {k: [u / m for u, m in zip(per[k], per["mm"])] for k in ("ours", "ours_c")}
+    by_round["vs_default"] = [u / m for u, m in zip(per["ours"], per["mm_d"])]
     ratio = {k: statistics.median(v) for k, v in by_round.items()}
     spread = {k: max(v) - min(v) for k, v in by_round.items()}
     tps = {"ours": 8 * 256 / step["ours"], "ours_c": 8 * 256 / step["ours_c"], "mm": 8 * carried / step["mm"]}
     torch.manual_seed(0)
     params = sum(p.numel() for p in MiniMindLM(small_model()).parameters())  # the tied head counted once
-    peak = matmul_peak()
-    mfu = {k: 6 * params * 8 * 256 / step[k] / peak for k in step}  # every position is computed, padded or not
+    peak, peak_default = matmul_peak(), matmul_peak_mkl_default()
+    best = max(peak, peak_default)  # the hardware's: MFU over the fastest product this CPU computes, whatever branch
+    mfu = {k: 6 * params * 8 * 256 / step[k] / best for k in step}  # every position is computed, padded or not
+    mkl = os.environ.get("MKL_CBWR", "MKL's default")
     why = peer_breakdown(scratch, big)
     rounds_of = {k: ", ".join(f"{x:.3f}" for x in v) for k, v in by_round.items()}
     return [
         {"row": "training step, MiniMind's shape (hidden 512, 8 layers, 8 heads, 4 KV, FFN 1664), batch 8 x 256, CPU, 1 process",
          "what": "ours / MiniMind's trainer, time per step", "value": ratio["ours"], "aim": "ours / MiniMind's trainer, time per step",
          "detail": f"{step['ours']:.2f} s / {step['mm']:.2f} s (medians; each round a {short}- and a {long}-step run of each, "
-                   f"start-up cancelled); the {rounds} rounds' ratios {rounds_of['ours']}; {why}"},
+                   f"start-up cancelled; both with MKL_CBWR={mkl}, the trainer's default); the {rounds} rounds' ratios "
+                   f"{rounds_of['ours']}; {why}"},
+        {"row": "training step, MiniMind's shape, batch 8 x 256", "what": "ours / MiniMind's trainer on MKL's default branch (as its "
+         "users run it), time per step", "value": ratio["vs_default"],
+         "detail": f"{step['ours']:.2f} s / {step['mm_d']:.2f} s (MiniMind's trainer without MKL_CBWR; on the trainer's "
+                   f"reproducible branch {step['mm']:.2f} s); the {rounds} rounds' ratios {rounds_of['vs_default']}: the price of "
+                   f"the same bits every run, paid in MKL's large fp32 products"},
+        {"row": "fp32 matmul peak, 2048^3, this CPU", "what": "MKL's default branch / the trainer's reproducible branch, FLOP/s",
+         "value": peak_default / peak,
+         "detail": f"{peak_default / 1e9:.0f} GFLOP/s (a child without MKL_CBWR) / {peak / 1e9:.0f} GFLOP/s (MKL_CBWR={mkl}), "
+                   f"{torch.get_num_threads()} threads, best of 8 products each"},
         {"row": "training step, MiniMind's shape, batch 8 x 256", "what": "spread of ours / MiniMind's time per step over the rounds",
          "value": spread["ours"], "aim": "spread of ours / MiniMind's time per step over the rounds",
          "detail": f"max - min of {rounds} rounds' ratios ({rounds_of['ours']}), runs of {short} and {long} steps"},
@@ -1168,16 +1202,18 @@ def peer_rows(work: Path, short: int, long: int, rounds: int) -> list[dict]:
         {"row": "training step, MiniMind's shape, batch 8 x 256", "what": "ours compiled / MiniMind's default trainer, loss-carrying "
          "tokens per second", "value": tps["ours_c"] / tps["mm"],
          "aim": "ours compiled / MiniMind's default trainer, loss-carrying tokens per second",
-         "detail": f"{tps['ours_c']:,.0f} / {tps['mm']:,.0f} tok/s: train.compile=true (warm cache) against MiniMind's trainer as its "
-                   f"users run it (--use_compile 0, its default); the {rounds} rounds' step ratios {rounds_of['ours_c']}"},
+         "detail": f"{tps['ours_c']:,.0f} / {tps['mm']:,.0f} tok/s: train.compile=true (warm cache) against MiniMind's trainer with "
+                   f"its default --use_compile 0 (both with MKL_CBWR={mkl}); the {rounds} rounds' step ratios {rounds_of['ours_c']}"},
         {"row": "model FLOPs utilisation, MiniMind's shape, batch 8 x 256, CPU, 1 process", "what": "model FLOPs utilisation, eager",
          "value": mfu["ours"],
-         "detail": f"6 x {params / 1e6:.1f}M parameters x {8 * 256 / step['ours']:,.0f} positions/s / {peak / 1e9:.0f} GFLOP/s "
-                   f"(this CPU's best fp32 2048^3 matmul, {torch.get_num_threads()} threads, measured in this run); MiniMind's "
-                   f"trainer {mfu['mm']:.3f} (it computes every padded position too); attention's score products not counted"},
+         "detail": f"6 x {params / 1e6:.1f}M parameters x {8 * 256 / step['ours']:,.0f} positions/s / {best / 1e9:.0f} GFLOP/s "
+                   f"(this CPU's best fp32 2048^3 matmul on either MKL branch, {torch.get_num_threads()} threads, measured in this "
+                   f"run; the reproducible branch's own {peak / 1e9:.0f}); MiniMind's trainer {mfu['mm']:.3f} on the same branch as "
+                   f"ours, {6 * params * 8 * 256 / step['mm_d'] / best:.3f} on MKL's default (it computes every padded position "
+                   f"too); attention's score products not counted"},
         {"row": "model FLOPs utilisation, MiniMind's shape, batch 8 x 256, CPU, 1 process", "what": "model FLOPs utilisation, compiled",
          "value": mfu["ours_c"], "aim": "model FLOPs utilisation, compiled",
-         "detail": f"6 x {params / 1e6:.1f}M parameters x {8 * 256 / step['ours_c']:,.0f} positions/s / {peak / 1e9:.0f} GFLOP/s "
+         "detail": f"6 x {params / 1e6:.1f}M parameters x {8 * 256 / step['ours_c']:,.0f} positions/s / {best / 1e9:.0f} GFLOP/s "
                    f"(train.compile=true, warm cache)"},
     ]
 
