@@ -1209,7 +1209,7 @@ def peer_rows(work: Path, short: int, long: int, rounds: int) -> list[dict]:
          "detail": f"6 x {params / 1e6:.1f}M parameters x {8 * 256 / step['ours']:,.0f} positions/s / {best / 1e9:.0f} GFLOP/s "
                    f"(this CPU's best fp32 2048^3 matmul on either MKL branch, {torch.get_num_threads()} threads, measured in this "
                    f"run; the reproducible branch's own {peak / 1e9:.0f}); MiniMind's trainer {mfu['mm']:.3f} on the same branch as "
-                   f"ours, {6 * params * 8 * 256 / step['mm_d'] / best:.3f} on MKL's default (it computes every padded position "
+                   f"ours, {mfu['mm_d']:.3f} on MKL's default (it computes every padded position "
                    f"too); attention's score products not counted"},
         {"row": "model FLOPs utilisation, MiniMind's shape, batch 8 x 256, CPU, 1 process", "what": "model FLOPs utilisation, compiled",
          "value": mfu["ours_c"], "aim": "model FLOPs utilisation, compiled",
