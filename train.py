@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.versions import require_torch
+
+require_torch()  # a torch outside the supported range stops here, before an import needs its API (common/versions.py)
+
 import torch
 import yaml
 
@@ -89,7 +93,7 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
     sharded = cfg.dist.strategy == "fsdp"
     if sharded:  # before the optimizer, which then holds the shards
         runtime.sharding.shard(model, cfg.train.dtype, cfg.dist.reshard_after_forward)
-    watch = runtime.speed.apply(model, cfg.train.compile, cfg.train.activation_checkpointing, cfg.runtime.deterministic)
+    watch = runtime.speed.apply(model, cfg.train.compile, cfg.train.activation_checkpointing, cfg.runtime.deterministic, rt.device.type)
     scaler = torch.amp.GradScaler(rt.device.type) if cfg.train.dtype == "float16" else None
     must_match, may_change = policy(to_dict(cfg.model), cfg.data.resume_seq_len == "repack")
     meta = RunMeta(world_size=rt.world_size, global_batch=plan.global_batch, micro_batch=plan.micro_batch, accum=plan.accum,
@@ -218,12 +222,6 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
     return loss
 
 
-def make_reducer(cfg: Config, rt: runtime.Runtime, run: Run):
-    """The reduction, wrapped after the load; under canonical, every rank must start from the same bits."""
-    return runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,
-                                lambda m: model_sha256(m.state_dict(), cfg.model.architecture()), run.train_state.step)
-
-
 def train(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol) -> tuple[str, int]:
     """The run, from build to the last save. Returns how it ended (finished, halted, stopped) and its step."""
     run = build(cfg, rt, protocol)
@@ -237,9 +235,10 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
     """Resume, then the steps until the run ends (finished, halted or stopped, saved), and the closing line."""
     protocol.phase = "resume"
     metrics = resume(cfg, rt, run, protocol)
-    reducer = make_reducer(cfg, rt, run)
-    sampler, (epoch, first) = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, run.ckpt)
     step = start = run.train_state.step
+    reducer = runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,  # after the load: under
+                                   lambda m: model_sha256(m.state_dict(), cfg.model.architecture()), step)  # canonical, one set of bits
+    sampler, (epoch, first) = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, run.ckpt)
     halted = 0 < cfg.train.halt_at <= start
     if halted:
         log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
@@ -258,6 +257,7 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         run.objective.begin_step(indices, step)
         if run.objective.prepare(run.model, micro_batches, rt, protocol.agree, stop) == "stopped":  # GRPO's rollout, agreed
             end = "stopped"  # a signal inside the rollout, abandoned on every rank: the state is the last boundary's, saved
+            protocol.agree("metrics", attempt(metrics.flush))  # the lines that wait for a log step, before the checkpoint
             run.ckpt.after_step(step, run.states, end)
             break
         loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
@@ -275,11 +275,13 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
         if cfg.log.sample_ids:
             record["sample_ids"] = indices
         # Rank-local work fails into the boundary's vote, so that every rank learns of it together (docs/design.md I9).
-        failed = (run.compiled and attempt(run.compiled.after_step, step, rt.is_main)) or attempt(metrics.step, record, seconds) \
-            or run.ckpt.failure()
+        failed = (run.compiled and attempt(run.compiled.after_step, step, rt.is_main)) or \
+            attempt(metrics.step, record, seconds, run.ckpt.due(step)) or run.ckpt.failure()
         stopping = protocol.boundary(stop.poll(), failed)
         # A stop signal at the run's last step (or its halt) changes nothing: that end is saved and said.
         reason = "halted" if step == cfg.train.halt_at else "finished" if step == cfg.train.steps else "stopped" if stopping else None
+        if reason:  # the lines that wait for a log step (no device read inside a step: run/metrics.py), before the checkpoint
+            protocol.agree("metrics", attempt(metrics.flush))
         run.ckpt.after_step(step, run.states, reason)
         if reason:
             end = reason

@@ -501,12 +501,16 @@ class CheckpointManager:
             raise storage.CheckpointMismatch(f"{path}: cannot resume this run from it: " + "; ".join(diffs))
 
     # ---------------------------------------------------------------- after each step
+    def due(self, step: int) -> bool:
+        """Whether checkpoint.interval saves after optimizer step `step`."""
+        return bool(self.cfg.interval and step % self.cfg.interval == 0)
+
     def after_step(self, step: int, states: dict[str, Stateful], end: str | None) -> None:
         """Called by every rank after optimizer step `step` (docs/design.md I7) with how the run ends
         here, as every rank agreed ("stopped", "halted", "finished"), or None to go on. Saves at an
         end or when the interval is due; at an end the save is waited for (and written in the
         foreground: an async snapshot would only add to the time from a stop signal to the checkpoint)."""
-        if end or (self.cfg.interval and step % self.cfg.interval == 0):
+        if end or self.due(step):
             self.save(step, states, background=self.cfg.async_ and not end)
         if end:
             self.drain()

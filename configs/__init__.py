@@ -200,7 +200,8 @@ class LogConfig:
     sample_ids: bool = False
     """Record each step's global sample indices in metrics.jsonl."""
     every: int = 10
-    """Print a line every N steps on rank 0 (metrics.jsonl gets every step)."""
+    """Print a line every N steps on rank 0 (metrics.jsonl gets every step; on a GPU the lines are written at these
+    steps and at checkpoints, when the device is read: no step in between waits for it)."""
     progress: bool = True
     """true: a tqdm bar on rank 0 with the objective's figures, when stderr is a terminal (a log file gets the step
     lines only) | false: never."""

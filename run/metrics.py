@@ -60,6 +60,25 @@ def _step_of(line: str) -> int | None:
     return s if isinstance(s, int) else None
 
 
+def on_device(value) -> bool:
+    """A figure that is a tensor on an accelerator (reading it waits for the device)."""
+    return getattr(getattr(value, "device", None), "type", "cpu") != "cpu"
+
+
+def host_values(records: list[dict]) -> list[dict]:
+    """Each record's figures that are tensors (0-dim, on any device), as Python floats, read from each
+    device in one copy: the same floats `float(tensor)` gives one by one."""
+    import torch
+
+    found = [(n, k, v) for n, r in enumerate(records) for k, v in r.items() if isinstance(v, torch.Tensor)]
+    out: list[dict] = [{} for _ in records]
+    for device in {v.device for _, _, v in found}:
+        mine = [(n, k, v) for n, k, v in found if v.device == device]
+        for (n, k, _), x in zip(mine, torch.stack([v.detach().reshape(()).double() for _, _, v in mine]).tolist()):
+            out[n][k] = x
+    return out
+
+
 def headline(record: dict) -> dict[str, float]:
     """The figures a person watches, by objective (the bar's postfix, the closing line, `python -m
     checkpoint status`): GRPO's mean reward, DPO's loss and pair accuracy, else the loss (with a
@@ -88,34 +107,57 @@ class Metrics:
         self.t0 = time.perf_counter()
         self.heads: list[dict[str, float]] = []
         self.val_loss: tuple[int, float] | None = None
+        self.pending: list[tuple[dict, float, float]] = []
+        """Lines not yet written: (record, step seconds, elapsed seconds), their device figures unread."""
 
-    def step(self, record: dict, seconds: float) -> None:
+    def step(self, record: dict, seconds: float, durable: bool = False) -> None:
         """Log optimizer step `record["step"]`: its loss, LR, data position and whatever the objective
-        measured (`record`), and how long it took. Raises what writing the line raises (the loop
-        votes on it at the boundary: run/protocol.py)."""
+        measured (`record`), and how long it took. A figure may still be a tensor (the step's loss:
+        runtime/reduce.py); one on an accelerator makes the line wait, unread, until a log step, a
+        step whose checkpoint is due (`durable`) or `flush()`, so that no step but those waits for
+        the device (docs/performance.md); on the CPU every line is written at its step. Raises what writing the lines raises (the loop votes on it at the
+        boundary: run/protocol.py)."""
+        self.pending.append((record, seconds, time.perf_counter() - self.t0))
+        self.bar.update(1)
+        step = record["step"]
+        if durable or step % self.every == 0 or step == self.steps or not any(on_device(v) for v in record.values()):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the lines that wait: their device figures read in one copy, then each line as it was."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        for (record, seconds, elapsed), values in zip(pending, host_values([r for r, _, _ in pending])):
+            self._write({**record, **values}, seconds, elapsed, pending)
+
+    def _write(self, record: dict, seconds: float, elapsed: float, batch: list) -> None:
         step, loss = record["step"], record["loss"]
         self.heads.append(headline(record))
         if "val_loss" in record:
             self.val_loss = (step, record["val_loss"])
         if not self.bar.disable:
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in self.heads[-1].items()}, refresh=False)
-        self.bar.update(1)
         if self.file is None:
             return
         rec = {**record, "tokens_per_s": round(self.tokens_per_step / seconds, 1), "step_s": round(seconds, 5),
-               "elapsed_s": round(time.perf_counter() - self.t0, 4)}
+               "elapsed_s": round(elapsed, 4)}
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in rec.items() if (k in tracking.TAGS or "/" in k) and not isinstance(v, list)}
         scalars.update({f"{k}/{i}": x for k, v in rec.items() if "/" in k and isinstance(v, list) for i, x in enumerate(v)})
         self.tracker.log(step, scalars)
         if step % self.every == 0 or step == self.steps:
+            # The rate over the lines written together: a step's own time on the host is not its time on a GPU
+            # that runs behind it; the lines between two reads of the device are.
+            rate = self.tokens_per_step * len(batch) / max(sum(b[1] for b in batch), 1e-9)
             extra = "".join(f" | {k.replace('_', ' ')} {v:.4f}" if not isinstance(v, list) else
                             f" | {k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in rec.items() if k == "val_loss" or "/" in k)
             log.info("step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s%s", step, self.steps, rec["epoch"], loss, rec["lr"],
-                     f"{rec['tokens_per_s']:,.0f}", extra)
+                     f"{rate:,.0f}", extra)
 
     def close(self) -> None:
+        self.flush()
         self.bar.close()
         self.tracker.close()
         if self.file is not None:

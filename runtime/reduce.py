@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from .setup import Runtime
+from .setup import Runtime, mean_over_ranks
 
 
 class DDPReduce:
@@ -23,8 +23,9 @@ class DDPReduce:
         self.net = model
         if rt.distributed and rt.world_size > 1:
             ids = [rt.device.index] if rt.device.type == "cuda" else None
-            # RoPE tables are constants: no need to sync buffers every forward.
-            self.net = DDP(model, device_ids=ids, forward_sync_buffers=False)
+            # RoPE tables are constants: no need to sync buffers every forward. broadcast_buffers, not
+            # torch 2.13's forward_sync_buffers: every torch of the supported range has it (common/versions.py).
+            self.net = DDP(model, device_ids=ids, broadcast_buffers=False)
         self._loss = 0.0
 
     def no_sync(self, j: int):
@@ -36,10 +37,10 @@ class DDPReduce:
         (scale(scaled) if scale else scaled).backward()
         self._loss = self._loss + scaled.detach()  # a tensor: no device sync per micro-batch
 
-    def reduce(self) -> float:
+    def reduce(self) -> torch.Tensor:
         """Gradients are already averaged by DDP; return the step's loss averaged over ranks."""
-        local, self._loss = float(self._loss), 0.0
-        return self.rt.sum([local])[0] / self.rt.world_size
+        local, self._loss = self._loss, 0.0
+        return mean_over_ranks(local, self.rt)
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -70,15 +71,13 @@ class CanonicalReduce:
 
     def backward(self, loss: torch.Tensor, j: int, scale=None) -> None:
         (scale(loss) if scale else loss).backward()
-        row, offset = self.local[j], 0
+        row = self.local[j]
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=row[: self.numel])  # one copy kernel, not one per parameter
         for p in self.params:
-            n = p.numel()
-            row[offset : offset + n].copy_(p.grad.reshape(-1))
-            offset += n
             p.grad = None
         row[self.numel] = loss.detach().float()
 
-    def reduce(self) -> float:
+    def reduce(self) -> torch.Tensor:
         w = self.rt.world_size
         if self.rt.distributed and w > 1:
             # all_gather into views of one buffer (all_gather_into_tensor is deprecated in torch 2.13).
@@ -92,11 +91,11 @@ class CanonicalReduce:
             total += rows[i]
         total /= rows.shape[0]
         offset = 0
-        for p in self.params:
+        for p in self.params:  # views into this step's own sum (a new tensor every step): no copy
             n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).clone()
+            p.grad = total[offset : offset + n].view_as(p)
             offset += n
-        return float(total[self.numel])
+        return total[self.numel].clone()  # the loss, on the device: read at the next log step, not here
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -153,6 +153,16 @@ class Runtime:
         return out
 
 
+def mean_over_ranks(local: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """The mean over ranks of each rank's step loss (a 0-dim tensor), in float64 as a 0-dim tensor,
+    without reading it to the host: the loop reads losses at its log steps only (run/metrics.py).
+    nccl sums on the device; gloo takes CPU tensors (a copy, as before)."""
+    t = local.detach().reshape(1).to(rt.comm_device, torch.float64)
+    if rt.distributed and rt.world_size > 1:
+        dist.all_reduce(t)
+    return t[0] / rt.world_size
+
+
 def default_threads(cfg: RuntimeConfig, reduce: str, local_world_size: int) -> int:
     """Intra-op threads. Thread counts change floating-point results, so the count is always
     pinned: torchrun sets OMP_NUM_THREADS=1 for N > 1 while plain python uses every core."""
@@ -185,6 +195,9 @@ def setup(config: SetupConfig) -> Runtime:
         device = torch.device("cpu")
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
+        # Deterministic mode also fills every new tensor with NaN (a check for reads of memory never
+        # written): a kernel launch per allocation, which no kernel's result depends on here (docs/performance.md).
+        torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
 

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from .setup import Runtime
+from .setup import Runtime, mean_over_ranks
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -78,9 +78,9 @@ class FSDPReduce:
         (scale(scaled) if scale else scaled).backward()
         self._loss = self._loss + scaled.detach()
 
-    def reduce(self) -> float:
-        local, self._loss = float(self._loss), 0.0
-        return self.rt.sum([local])[0] / self.rt.world_size
+    def reduce(self) -> torch.Tensor:
+        local, self._loss = self._loss, 0.0
+        return mean_over_ranks(local, self.rt)
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -139,7 +139,7 @@ class FSDPCanonicalReduce:
         (scale(loss) if scale else loss).backward()
         self._losses.append(loss.detach().float().reshape(1))
 
-    def reduce(self) -> float:
+    def reduce(self) -> torch.Tensor:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(self.micro_batches)
@@ -156,7 +156,7 @@ class FSDPCanonicalReduce:
         for i in range(1, rows.shape[0]):
             total += rows[i]
         total /= rows.shape[0]
-        return float(total)
+        return total  # on the device: read at the next log step (run/metrics.py)
 
     def clip(self, max_norm: float) -> None:
         """torch's clip_grad_norm_ on the full gradients, computed one parameter at a time."""

@@ -4,7 +4,7 @@ of the loss (`train.compile`), and activation checkpointing per block
 
 Compilation is per block, as torchtitan does it: each block's `forward` is compiled (its module
 hooks, FSDP's among them, stay outside in eager code) with static shapes, and Inductor's
-deterministic mode on. Every micro-batch has the same shape whatever the world size under
+deterministic mode on (on CUDA only under runtime.deterministic). Every micro-batch has the same shape whatever the world size under
 `dist.reduce=canonical`, so every rank runs the same kernels and the bits do not depend on the
 world size; compiled kernels round differently from eager ones, so a compiled run is bit-identical
 to compiled runs, not to eager ones. `CompileWatch` logs the compile's time once and warns when a
@@ -41,27 +41,34 @@ def checkpointed_blocks(mode: str, n_layers: int) -> list[int]:
     raise ValueError(f"train.activation_checkpointing: expected none, full or every_K (K >= 1), got {mode!r}")
 
 
-def apply(model: torch.nn.Module, compile: bool, checkpointing: str, deterministic: bool = False) -> "CompileWatch | None":
+def apply(model: torch.nn.Module, compile: bool, checkpointing: str, deterministic: bool = False,
+          device: str = "cpu") -> "CompileWatch | None":
     """Switch on checkpointing for the blocks it names, then compile each block and the loss.
     Returns the watch of the compiled run (None when not compiled). `deterministic`: the run asked
-    for torch's deterministic algorithms to raise (runtime.deterministic), not only to warn."""
+    for torch's deterministic algorithms (runtime.deterministic); `device`: the device type."""
     for i in checkpointed_blocks(checkpointing, len(model.layers)):
         model.layers[i].checkpointed = True
     if not compile:
         return None
-    # torch.use_deterministic_algorithms also sets Inductor's deterministic mode (no benchmarking-based
-    # choices: the same kernels in every process), and Dynamo restores the prior state after tracing
-    # each frame: set through Inductor's config alone, the mode switches itself off after the first
-    # compiled frame (seen on torch 2.13; CompileWatch checks it after every step). warn_only unless
-    # runtime.deterministic asked for errors: an eager op without a deterministic kernel warns.
-    torch.use_deterministic_algorithms(True, warn_only=not deterministic)
+    deterministic_mode = deterministic or device == "cpu"
+    if deterministic_mode:
+        # torch.use_deterministic_algorithms also sets Inductor's deterministic mode (no benchmarking-based
+        # choices: the same kernels in every process), and Dynamo restores the prior state after tracing
+        # each frame: set through Inductor's config alone, the mode switches itself off after the first
+        # compiled frame (seen on torch 2.13; CompileWatch checks it after every step). On the CPU it is
+        # what a compiled run's exactness has always rested on (Inductor's scatter-adds and index_put
+        # over several threads are otherwise unordered) and costs no tuning, so it is on whatever
+        # runtime.deterministic says, warning only where that did not ask for errors; on CUDA it is on
+        # only when runtime.deterministic asks: runtime.deterministic=false pays for none of it
+        # (docs/performance.md).
+        torch.use_deterministic_algorithms(True, warn_only=not deterministic)
     for block in model.layers:
         if hasattr(block.feed_forward, "_dispatch"):  # an MoE: the experts' token dispatch stays eager (data-dependent shapes)
             block.feed_forward._dispatch = torch.compiler.disable(block.feed_forward._dispatch)
         # Static shapes: a graph (and its kernels) for each shape, never one kernel for every shape.
         block.forward = torch.compile(block.forward, backend=BACKEND, dynamic=False)
     model.loss_fn = torch.compile(model.loss_fn, backend=BACKEND, dynamic=False)
-    return CompileWatch()
+    return CompileWatch(deterministic_mode)
 
 
 class CompileWatch:
@@ -71,9 +78,11 @@ class CompileWatch:
     compiled frame that switched one off fails the run (its kernels would no longer be the ones
     every rank agrees on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = True) -> None:
         self.t0 = time.perf_counter()
         self.base, self.seen = self._counts(), None
+        self.deterministic = deterministic
+        """Whether the run promised the deterministic modes (checked after every step then)."""
 
     @staticmethod
     def _counts() -> tuple[dict[str, int], int]:
@@ -91,7 +100,8 @@ class CompileWatch:
                                f"the deterministic ones this run promised")
 
     def after_step(self, step: int, rank_0: bool) -> None:
-        self._check_modes()
+        if self.deterministic:
+            self._check_modes()
         breaks, graphs = self._counts()
         new = {why.strip().splitlines()[0]: n - self.base[0].get(why, 0) for why, n in breaks.items() if n > self.base[0].get(why, 0)}
         chosen = {why: n for why, n in new.items() if "torch.compiler.disable" in why}  # the MoE's dispatch, eager by design
@@ -104,8 +114,8 @@ class CompileWatch:
         if self.seen is None:
             self.seen = graphs
             if rank_0:
-                log.info("train.compile: the first step took %.1f s (compiling %d graph(s), Inductor's deterministic mode on)",
-                         time.perf_counter() - self.t0, graphs - self.base[1])
+                log.info("train.compile: the first step took %.1f s (compiling %d graph(s), Inductor's deterministic mode %s)",
+                         time.perf_counter() - self.t0, graphs - self.base[1], "on" if self.deterministic else "off")
             return
         if graphs != self.seen:
             log.warning("train.compile: %d new graph(s) after step %d (a recompile: another shape or mode?): it costs time, and "

@@ -38,3 +38,21 @@ ensure_test_requirements() {
     echo "$want4" > .venv/transformers-4.57/.requirements.sha256
   fi
 }
+
+# ensure_oldest_torch: the oldest torch of the supported range (requirements-torch-oldest.txt, its smallest
+# CPU-usable install) in .venv/torch-oldest with the rest of requirements.txt, for tests/test_torch_range.py;
+# only when the file changed. scripts/test.sh calls it under CI=true (or MINIMIND_OLDEST_TORCH=1): about 3.5 GB
+# to download and 5.7 GB on disk (docs/tests.md).
+ensure_oldest_torch() {
+  local want dir=.venv/torch-oldest
+  want="$(cat requirements-torch-oldest.txt requirements.txt | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$dir/.requirements.sha256" 2>/dev/null || true)" != "$want" ]; then
+    echo "[env] installing requirements-torch-oldest.txt into $dir" >&2
+    rm -rf "$dir"
+    "$PY" -m venv "$dir"
+    "$dir/bin/python" -m pip install --disable-pip-version-check -q --no-deps -r requirements-torch-oldest.txt
+    grep -v '^torch==' requirements.txt > "$dir/requirements-rest.txt"
+    "$dir/bin/python" -m pip install --disable-pip-version-check -q -r "$dir/requirements-rest.txt"
+    echo "$want" > "$dir/.requirements.sha256"
+  fi
+}

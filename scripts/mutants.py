@@ -604,6 +604,18 @@ MUTANTS = (
     Mutant("agent-tool-schema-unchecked", "a malformed tool schema is refused naming the line",
            "data/agent.py", 'elif not isinstance(fn.get("name"), str) or not fn["name"].strip():', "elif False:",
            ("tests/test_agent.py::test_a_malformed_tool_schema_or_gt_is_refused_naming_the_line",)),
+    Mutant("ddp-keyword-of-a-newer-torch", "every API the code calls exists in the oldest supported torch (common/versions.py; issue 61)",
+           "runtime/reduce.py", "DDP(model, device_ids=ids, broadcast_buffers=False)", "DDP(model, device_ids=ids, forward_sync_buffers=False)",
+           ("tests/test_torch_range.py::test_on_the_oldest_torch_a_run_halted_and_resumed_on_several_processes_is_the_uninterrupted_run",)),
+    Mutant("torch-range-unchecked", "a launch on a torch outside the supported range stops with one line, exit 2 (issue 61)",
+           "common/versions.py", "    if got is not None and OLDEST <= got <= NEWEST:\n", "    if True:\n",
+           ("tests/test_torch_range.py::test_a_launch_on_a_torch_outside_the_range_stops_before_any_work_with_one_line_and_exit_2",)),
+    Mutant("inductor-deterministic-always", "runtime.deterministic=false on CUDA pays for no deterministic mode (docs/performance.md)",
+           "runtime/speed.py", "    deterministic_mode = deterministic or device == \"cpu\"\n", "    deterministic_mode = True\n",
+           ("tests/test_compile.py::test_a_compiled_run_pays_for_inductors_deterministic_mode_only_where_its_exactness_needs_it",)),
+    Mutant("loss-read-every-step", "a step's loss stays on the device until a log step or a checkpoint (docs/performance.md)",
+           "runtime/reduce.py", "        return mean_over_ranks(local, self.rt)\n", "        return float(mean_over_ranks(local, self.rt))\n",
+           ("tests/test_host_reads.py::test_a_steps_loss_is_read_to_the_host_only_at_log_steps_checkpoints_and_the_end",)),
 )
 
 
@@ -621,11 +633,17 @@ def copy_repository(dest: Path) -> None:
         (dest.parent / "shared").symlink_to(shared, target_is_directory=True)
 
 
+def oldest_torch() -> dict:
+    """The oldest supported torch's python of this checkout, for tests/test_torch_range.py in the copy."""
+    py = ROOT / ".venv" / "torch-oldest" / "bin" / "python"
+    return {"MINIMIND_OLDEST_PYTHON": str(py)} if py.exists() and "MINIMIND_OLDEST_PYTHON" not in os.environ else {}
+
+
 def pytest(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+                              env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **oldest_torch()})
     except subprocess.TimeoutExpired as e:
         return None, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
     return proc.returncode, proc.stdout + proc.stderr

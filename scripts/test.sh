@@ -3,6 +3,8 @@
 # the test suite (CPU, gloo). Extra arguments go to pytest (e.g. -m unit; docs/tests.md).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_test_requirements
+# CI also checks the oldest supported torch (tests/test_torch_range.py runs launches on it; docs/tests.md).
+if [ "${CI:-}" = true ] || [ "${MINIMIND_OLDEST_TORCH:-}" = 1 ]; then ensure_oldest_torch; fi
 # Three workers, test by test, an idle worker taking queued tests from a busy one (a module's
 # fixtures are built on each worker that runs its tests); PYTEST_WORKERS=0 runs in this process.
 # Three on two cores: much of a launch is waiting (a slowed disk, a rendezvous, Slurm's

@@ -13,19 +13,21 @@ STEP_LIMIT: int | None = None  # set for unit tests (conftest): the most steps i
 SLOW_SAVE = "scripts/slow_save_train.py"  # train.py on a slow disk (every checkpoint file takes SLOW_SAVE_S longer)
 
 
-def command(nproc: int, *overrides: str, script: str = "train.py", launcher: str = "torch.distributed.run") -> list[str]:
+def command(nproc: int, *overrides: str, script: str = "train.py", launcher: str = "torch.distributed.run",
+            python: str = PY) -> list[str]:
     """`python train.py` for nproc=0, else `torchrun --standalone --nproc_per_node=nproc train.py`
-    (or through `runtime.launch`, the scripts' launcher, which prints the run's outcome last)."""
+    (or through `runtime.launch`, the scripts' launcher, which prints the run's outcome last);
+    `python`: another interpreter (tests/test_torch_range.py's oldest torch)."""
     if nproc == 0:
-        return [PY, script, *overrides]
-    return [PY, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", script, *overrides]
+        return [python, script, *overrides]
+    return [python, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", script, *overrides]
 
 
 def run(nproc: int, *overrides: str, expect: int | None = 0, env: dict | None = None, timeout: int = TIMEOUT,
-        script: str = "train.py", launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
+        script: str = "train.py", launcher: str = "torch.distributed.run", python: str = PY) -> subprocess.CompletedProcess:
     """Run train.py (or a test double of it) to completion; assert its exit code (None: don't)."""
-    proc = subprocess.run(command(nproc, *overrides, script=script, launcher=launcher), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(command(nproc, *overrides, script=script, launcher=launcher, python=python), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
     if expect is not None and proc.returncode != expect:
         raise AssertionError(f"exit {proc.returncode}, expected {expect}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc

@@ -112,6 +112,26 @@ def test_a_graph_break_and_a_recompile_after_the_first_step_are_warned(eager_dyn
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("deterministic, device, expected", [(False, "cuda", False), (True, "cuda", True), (False, "cpu", True)])
+def test_a_compiled_run_pays_for_inductors_deterministic_mode_only_where_its_exactness_needs_it(eager_dynamo, deterministic,
+                                                                                                device, expected):
+    """On CUDA, runtime.deterministic=false compiles without Inductor's deterministic mode or torch's
+    deterministic algorithms (no tuning given up, no slower kernel: docs/performance.md); =true turns
+    both on and the watch checks them after every step. On the CPU both are on either way: the
+    compiled run's exactness across world sizes rests on them there."""
+    import torch
+    import torch._inductor.config as inductor
+
+    from model import MiniMindLM, ModelConfig
+
+    torch.use_deterministic_algorithms(False)
+    model = MiniMindLM(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16))
+    watch = eager_dynamo.apply(model, True, "none", deterministic, device)
+    assert inductor.deterministic is expected and torch.are_deterministic_algorithms_enabled() is expected
+    assert watch.deterministic is expected
+
+
+@pytest.mark.unit
 def test_a_deterministic_mode_switched_off_after_a_compiled_step_fails_the_run(monkeypatch):
     import torch
     import torch._inductor.config as inductor
