@@ -30,6 +30,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under autocast, as MiniMind does.
         xf = x.float()
+        if xf.is_cuda and not torch.compiler.is_compiling():
+            # The same formula in torch's fused kernel, one pass each way instead of seven (eager CUDA only: on
+            # the CPU the composite keeps every recorded bit, and Inductor fuses the composite itself).
+            return self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).type_as(x)
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 

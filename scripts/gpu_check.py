@@ -102,19 +102,20 @@ def exactness_plans(base: list[str], steps: int, device: str) -> list[tuple]:
             plans.append((f"{dtype}-{nproc}", [*base, f"train.dtype={dtype}", f"dist.backend={backend}"], steps, nproc, nproc,
                           f"{dtype} ({backend}, {nproc} process{'es' * (nproc > 1)})"))
     # dist.reduce=canonical halted on 2 and resumed on 3 against 1: the world-size promise, on the GPU
-    two = "nccl" if device == "cuda" and gpus >= 3 else "gloo"
-    plans.append(("canonical-2-3", [*base, "train.dtype=bfloat16", "dist.reduce=canonical", f"dist.backend={two}",
+    three = "nccl" if device == "cuda" and gpus >= 3 else "gloo"
+    plans.append(("canonical-2-3", [*base, "train.dtype=bfloat16", "dist.reduce=canonical", f"dist.backend={three}",
                                     "train.global_batch=12", "train.micro_batch=2"], steps, 2, 3,
-                  f"bfloat16, dist.reduce=canonical, 2 then 3 processes ({two}) against 3 throughout"))
+                  f"bfloat16, dist.reduce=canonical, 2 then 3 processes ({three}) against 3 throughout"))
     fsdp = [*base, "dist.strategy=fsdp", "train.dtype=bfloat16", "checkpoint.interval=0"]
     plans.append(("fsdp-1-1", [*fsdp, f"dist.backend={'nccl' if device == 'cuda' else 'gloo'}"], steps, 1, 1,
                   "fsdp, bfloat16, dist.reduce=ddp"))
-    plans.append(("fsdp-canonical-2-1", [*fsdp, "dist.reduce=canonical", f"dist.backend={'nccl' if gpus >= 2 else 'gloo'}"], steps, 2, 1,
-                  f"fsdp, bfloat16, dist.reduce=canonical, 2 then 1 ({'nccl' if gpus >= 2 else 'gloo'} on 2)"))
+    two = "nccl" if device == "cuda" and gpus >= 2 else "gloo"
+    plans.append(("fsdp-canonical-2-1", [*fsdp, "dist.reduce=canonical", f"dist.backend={two}"], steps, 2, 1,
+                  f"fsdp, bfloat16, dist.reduce=canonical, 2 then 1 ({two} on 2)"))
     compiled = [*base, "train.compile=true", "dist.reduce=canonical", "train.dtype=float32", "checkpoint.interval=0"]
     moe = ["model.moe.experts=4", "model.moe.top_k=1", "model.qk_norm=true", "dist.strategy=fsdp"]
-    plans.append(("compiled-2-1", [*compiled, f"dist.backend={'nccl' if gpus >= 2 else 'gloo'}"], max(steps // 3, 8), 2, 1,
-                  f"compiled, float32, dist.reduce=canonical ({'nccl' if gpus >= 2 else 'gloo'} on 2)"))
+    plans.append(("compiled-2-1", [*compiled, f"dist.backend={two}"], max(steps // 3, 8), 2, 1,
+                  f"compiled, float32, dist.reduce=canonical ({two} on 2)"))
     plans.append(("compiled-moe-fsdp", [*compiled, *moe, f"dist.backend={'nccl' if device == 'cuda' else 'gloo'}"],
                   max(steps // 3, 8), 1, 1, "compiled MoE (4 experts, top-1) under fsdp, float32, canonical"))
     return plans
@@ -523,6 +524,11 @@ def main() -> int:
     rows: list[dict] = []
     timed = {}
 
+    def info() -> dict:
+        return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
+                "gpus": torch.cuda.device_count() if device == "cuda" else 0, "seconds": round(time.time() - t0, 1), "groups_s": timed}
+
     def group(name: str, fn, *args) -> None:
         if name in want:
             s = time.time()
@@ -531,17 +537,17 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - one group's failure is its row; the others still run
                 rows.append({"check": name, "result": "FAILED", "ok": False, "detail": f"{type(e).__name__}: {str(e)[-500:]}"})
             timed[name] = round(time.time() - s, 1)
+            print(f"gpu_check: {name} done in {timed[name]} s", file=sys.stderr, flush=True)
+            (out_dir / "gpu_check.json").write_text(json.dumps({"info": info(), "rows": rows}, indent=1))  # kept if a later group overruns
 
-    # Side by side first (nothing in them is timed), then one at a time: the timed rows have the GPU alone.
-    group("exactness", exactness, work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 40, device, 2 if a.cpu_dry_run else 9)
-    group("sync", host_reads, work, common, device)
+    # The timed groups first, each with the GPU to itself; then the exact-resume rows side by side (none of their figures is timed).
     group("determinism", deterministic_cost, work, device, a.cpu_dry_run)
+    group("sync", host_reads, work, common, device)
     group("peer", peer, work, device, a.cpu_dry_run)
     group("mfu", mfu_104m, work, device, a.cpu_dry_run)
     group("stalls", stalls, work, small, 8, not a.cpu_dry_run)
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-            "gpus": torch.cuda.device_count() if device == "cuda" else 0, "seconds": round(time.time() - t0, 1), "groups_s": timed}
+    group("exactness", exactness, work, [*common, "runtime.deterministic=true"], 8 if a.cpu_dry_run else 20, device, 2 if a.cpu_dry_run else 9)
+    info = info()
     print(f"GPU check {info['date']}: {info['device']} x{info['gpus']}, torch {info['torch']} (CUDA {info['cuda']}), {info['seconds']} s\n")
     print("| check | result | detail |")
     print("|---|---|---|")
