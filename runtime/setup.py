@@ -104,6 +104,9 @@ class Runtime:
     backend: str | None = None
     threads: int = 1
     board: Board = field(default_factory=lambda: Board(None, "solo"))
+    control: Any = None
+    """A gloo group beside nccl's for the loop's agreements (`sum`): their few floats stay on the host, so a
+    step boundary's vote never waits for the GPU (docs/performance.md). None: the default group does."""
 
     @property
     def is_main(self) -> bool:
@@ -119,10 +122,10 @@ class Runtime:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def sum(self, values: list[float]) -> list[float]:
-        """All-reduced sums of a few floats (one collective)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
+        """All-reduced sums of a few floats (one collective, on the host under nccl too)."""
+        t = torch.tensor(values, dtype=torch.float64, device="cpu" if self.control is not None else self.comm_device)
         if self.distributed:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.control)
         return t.tolist()
 
     def any(self, flag: bool) -> bool:
@@ -157,9 +160,10 @@ def mean_over_ranks(local: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """The mean over ranks of each rank's step loss (a 0-dim tensor), in float64 as a 0-dim tensor,
     without reading it to the host: the loop reads losses at its log steps only (run/metrics.py).
     nccl sums on the device; gloo takes CPU tensors (a copy, as before)."""
+    if not (rt.distributed and rt.world_size > 1):
+        return local.detach().double() / 1  # on its own device: a single process reads nothing here
     t = local.detach().reshape(1).to(rt.comm_device, torch.float64)
-    if rt.distributed and rt.world_size > 1:
-        dist.all_reduce(t)
+    dist.all_reduce(t)
     return t[0] / rt.world_size
 
 
@@ -232,6 +236,8 @@ def setup(config: SetupConfig) -> Runtime:
         from torch.distributed import distributed_c10d
 
         rt.board = Board(distributed_c10d._get_default_store(), f"minimind/{rt.broadcast(uuid.uuid4().hex)}")
+        if chosen == "nccl":
+            rt.control = dist.new_group(backend="gloo")
     return rt
 
 

@@ -31,10 +31,10 @@ elif FAULT == "metrics" and HERE:
 
     _step = Metrics.step
 
-    def _disk_full(self, record, seconds):
+    def _disk_full(self, record, seconds, *args):
         if record["step"] == 3:
             raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
-        return _step(self, record, seconds)
+        return _step(self, record, seconds, *args)
 
     Metrics.step = _disk_full
 elif FAULT == "setup":
