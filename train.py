@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from common.versions import require_torch
 
@@ -100,7 +99,8 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
                    threads=rt.threads, reduce=cfg.dist.reduce, strategy=cfg.dist.strategy, config=to_dict(cfg),
                    data_fingerprint=fingerprint, run_id=rt.broadcast(new_run_id()), must_match=must_match, may_change=may_change,
                    files=tok.files, architecture=cfg.model.architecture())
-    ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.out_dir), rt, meta, durable=(Path(cfg.out_dir) / folder.METRICS,))
+    local = folder.local_dir(cfg.out_dir)  # out_dir, or the staging copy of a run folder in the store
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.out_dir, rt, meta, durable=(local / folder.METRICS, local / folder.CONFIG))
     chat = cfg.data.format != "text"
     entropy = [float("nan")]  # the pretraining yardstick, from the counts packing stored beside the corpus (rank 0)
     if rt.is_main and not chat:
@@ -174,7 +174,7 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
     resumed = run.ckpt.load(run.states)
     start_from_weights(cfg, rt, run, resumed, protocol)
     run.objective.start(cfg, rt, run.ckpt.meta, resumed, protocol.agree, run.ckpt.meta.files)
-    start, out = run.train_state.step, Path(cfg.out_dir)
+    start, out = run.train_state.step, folder.local_dir(cfg.out_dir)
     opened = []
 
     def on_rank_0() -> None:  # after the load: a run that cannot resume leaves the folder as it found it
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         rt = runtime.setup(cfg)
         runtime.setup_logging(rt)
         protocol = Protocol(rt)
-        lock = folder.take(Path(cfg.out_dir), cfg.checkpoint.lock_timeout_s, rt)
+        lock = folder.take(cfg.out_dir, cfg.checkpoint.lock_timeout_s, rt)
         outcome, step = train(cfg, rt, stop, protocol)
         if outcome != "stopped" and stop.poll():  # the signal came during the final save: the run is complete, and stopped
             log.info("%s arrived during the final save: the checkpoint of step %d is published; exit %d as for any stop "

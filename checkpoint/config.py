@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.store import is_url, parse
+
 
 @dataclass
 class CheckpointConfig:
@@ -27,7 +29,14 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.lock_timeout_s: expected a non-negative number, got {self.lock_timeout_s}")
         if self.keep < 2:
             raise ValueError(f"checkpoint.keep: expected at least 2, got {self.keep}")
-        if self.resume not in ("auto", "never"):
+        if self.resume not in ("auto", "never") and is_url(self.resume):
+            try:
+                parse(self.resume, "checkpoint.resume")  # a step folder in the store: its form here, the rest at the load
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - StoreRefused: bad input, said as the other keys' errors are
+                raise ValueError(str(e)) from None
+        elif self.resume not in ("auto", "never"):
             # Checked here, before data preparation and before anything is written to out_dir.
             path = Path(self.resume)
             if not path.exists():

@@ -22,6 +22,7 @@ from torch.utils.serialization import config as serialization_config
 
 from common.files import fsync_path
 from common.outcome import Failed
+from common.store import RemotePath
 
 
 class CheckpointError(Failed):
@@ -257,11 +258,171 @@ class StreamWriter:
             self.fd = -1
 
 
+_uploads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-upload")  # the parts of uploads, several at once
+_UPLOAD_IN_FLIGHT = 4  # parts of one file being uploaded while the next block is filled and hashed
+
+
+class UploadWriter(StreamWriter):
+    """A StreamWriter whose file is an object in the store (common/store.py): the same staging
+    blocks, each hashed in this thread, each uploaded as a part of a multipart upload by a helper
+    thread with its own SHA-256 (the store refuses a part whose bytes do not match) while the next
+    block is filled; `close()` completes the upload and returns the same manifest entry (our sha256
+    of the whole, in the same pass). A file smaller than one block is one PUT carrying the sha256 of
+    the whole. Until completed an upload is invisible; one left by a killed save is aborted at the
+    next start (checkpoint/remote.py)."""
+
+    def __init__(self, path: RemotePath) -> None:
+        self.path, self.sha, self.size = path, hashlib.sha256(), 0
+        self.store, self.key = path.store, path.key
+        self.fd, self.direct, self.tried_direct = -1, False, False
+        self.block: mmap.mmap | None = None
+        self.fill = 0
+        self.pending: list[tuple[Future, mmap.mmap | None]] = []
+        self.upload_id: str | None = None
+        self.parts: list[dict] = []
+        self.small: bytes | None = None
+
+    def _flush(self) -> None:
+        block, n = self.block, self.fill
+        self.block, self.fill = None, 0
+        data = memoryview(block)[:n]
+        self.sha.update(data)
+        self.size += n
+        if self.upload_id is None and n < STAGE_BLOCK:  # the whole file is less than a block: one PUT at close
+            self.small = bytes(data)
+            _give_block(block)
+            return
+        if self.upload_id is None:
+            self.upload_id = self.store.begin(self.key)
+        number = len(self.parts) + len(self.pending) + 1
+        self.pending.append((_uploads.submit(self.store.part, self.key, self.upload_id, number, data), block))
+        while len(self.pending) > _UPLOAD_IN_FLIGHT:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        fut, block = self.pending.pop(0)
+        try:
+            self.parts.append(fut.result())
+        finally:
+            _give_block(block)
+
+    def close(self, sync: bool = True) -> dict:
+        try:
+            if self.block is not None:
+                self._flush()
+            while self.pending:
+                self._wait_oldest()
+            if self.upload_id is not None:
+                self.store.complete(self.key, self.upload_id, self.parts)
+                self.upload_id = None
+            else:
+                self.store.put(self.key, self.small or b"", sha256=self.sha.hexdigest())
+        finally:
+            self.abort()
+        return {"bytes": self.size, "sha256": self.sha.hexdigest()}
+
+    def abort(self) -> None:
+        for fut, block in self.pending:
+            concurrent.futures.wait([fut])
+            _give_block(block)
+        self.pending = []
+        if self.block is not None:
+            _give_block(self.block)
+            self.block = None
+        if self.upload_id is not None:
+            upload, self.upload_id = self.upload_id, None
+            try:
+                self.store.abort(self.key, upload)
+            except Exception:  # noqa: BLE001 - the next start aborts what is left (checkpoint/remote.py)
+                pass
+
+
+def writer_for(path) -> StreamWriter:
+    """The writer of a new file at `path`: a local file (StreamWriter) or an object in the store (UploadWriter)."""
+    return UploadWriter(path) if isinstance(path, RemotePath) else StreamWriter(path)
+
+
+class RangeReader:
+    """An object in the store read front to back as a file (`readinto`, `read`), in ranged GETs of
+    at least one staging block, each retried on its own (common/store.py); the next range is fetched
+    while this one is consumed."""
+
+    def __init__(self, path: RemotePath, size: int) -> None:
+        self.store, self.key, self.size = path.store, path.key, size
+        self.pos, self.buf, self.start = 0, b"", 0
+        self.ahead: Future | None = None
+
+    def _range(self, start: int) -> tuple[int, Future] | None:
+        n = min(STAGE_BLOCK, self.size - start)
+        return (start, _uploads.submit(self.store.get_range, self.key, start, n)) if n > 0 else None
+
+    def _fill(self) -> bool:
+        if self.pos >= self.size:
+            return False
+        if self.ahead is None or self.ahead[0] != self.pos:
+            self.ahead = self._range(self.pos)
+        start, fut = self.ahead
+        self.buf, self.start = fut.result(), start
+        self.ahead = self._range(start + len(self.buf))
+        return True
+
+    def readinto(self, view) -> int:
+        view = memoryview(view).cast("B")
+        done = 0
+        while done < view.nbytes:
+            offset = self.pos - self.start
+            if not 0 <= offset < len(self.buf):
+                if not self._fill():
+                    break
+                offset = 0
+            n = min(view.nbytes - done, len(self.buf) - offset)
+            view[done:done + n] = self.buf[offset:offset + n]
+            done += n
+            self.pos += n
+        return done
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
+        out = bytearray(n)
+        got = self.readinto(out)
+        return bytes(out[:got])
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            concurrent.futures.wait([self.ahead[1]])
+            self.ahead = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_read(folder, name: str, error=None):
+    """(a raw reader with readinto/read, its size) of the file `name` of `folder`: a local file
+    opened without following a link, or an object in the store (its size from a HEAD); `error`
+    (FileError by default) naming it when it cannot be opened."""
+    error = error or FileError
+    path = folder / name
+    if isinstance(path, RemotePath):
+        head = path.store.head(path.key)
+        if head is None:
+            raise error(f"{path}: missing (listed in the manifest)")
+        return RangeReader(path, head.size), head.size
+    refuse_links(folder, name)
+    try:
+        f = open(path, "rb", buffering=0, opener=no_follow)
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    return f, os.fstat(f.fileno()).st_size
+
+
 def write_stream(path: Path, buffers, sync: bool = True) -> dict:
     """Write `buffers` (an iterable of bytes-like objects) in order as the new file `path` with a
     StreamWriter: hashed in the same pass, fsynced unless `sync` is False (the caller fsyncs it);
     returns its manifest entry {bytes, sha256}."""
-    w = StreamWriter(path)
+    w = writer_for(path)
     try:
         for b in buffers:
             w.write(b)
@@ -340,7 +501,7 @@ def write_file(path: Path, obj: Any, fsyncs: list[Future] | None = None) -> dict
     done here when `fsyncs` is None."""
     if isinstance(obj, (bytes, bytearray, memoryview, types.GeneratorType)):
         entry = write_stream(path, [obj] if not isinstance(obj, types.GeneratorType) else obj, sync=fsyncs is None)
-        if fsyncs is not None:
+        if fsyncs is not None and not isinstance(path, RemotePath):
             fsyncs.append(_helper.submit(_fsync_named, path))
         return entry
     w = None
@@ -382,12 +543,13 @@ def fsync_close(f) -> None:
 def verified_bytes(folder: Path, name: str, entries: dict[str, dict]) -> bytes:
     """The bytes of `folder/name` (a path relative to the step folder), read once, whole, and
     returned only when the manifest lists it with this size and sha256."""
-    entry, path = entries.get(name), Path(folder) / name
+    folder = folder if isinstance(folder, RemotePath) else Path(folder)
+    entry, path = entries.get(name), folder / name
     if entry is None:
         raise FileError(f"{path}: not listed in the manifest; only what the manifest vouches for is read")
-    refuse_links(folder, name)
+    f, _ = open_read(folder, name)  # a link put there since is not followed either
     try:
-        with open(path, "rb", opener=no_follow) as f:  # a link put there since is not followed either
+        with f:
             data = f.read()
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None

@@ -53,7 +53,9 @@ from typing import Any
 
 import torch
 
-from .files import FileError, HashingReader, StreamWriter, no_follow, refuse_links, verified_bytes, write_file
+from common.store import RemotePath, location
+
+from .files import FileError, HashingReader, no_follow, open_read, refuse_links, verified_bytes, write_file, writer_for
 
 STATE = "state"
 """The sub-folder of a step folder that holds DCP's files."""
@@ -343,7 +345,7 @@ def _write_part(path: Path, relative: str, items: list) -> tuple[list, dict]:
     from torch.distributed.checkpoint.storage import WriteResult
 
     RawItem, results = raw_item(), []
-    w = StreamWriter(path)
+    w = writer_for(path)
     try:
         for item, data in items:
             offset = w.tell()
@@ -391,7 +393,7 @@ def _writer_class():
 
         def __init__(self, folder: Path, publish: Callable[[dict, Any], None] | None = None) -> None:
             super().__init__()
-            self.folder, self.publish = Path(folder), publish
+            self.folder, self.publish = location(folder), publish
             self.rank, self.save_id, self.own = 0, uuid.uuid4().hex, set()
 
         def reset(self, checkpoint_id=None) -> None:
@@ -448,6 +450,13 @@ def check_written(folder: Path, entries: dict[str, dict], own: set[str]) -> None
     """The coordinator, before it publishes: every file another rank said it wrote is in `folder`
     here, a plain file (no link) of the size and sha256 it listed; FormatError naming it otherwise
     (ranks on nodes that do not share `folder` would publish checkpoints that never verify)."""
+    if isinstance(folder, RemotePath):  # in the store: each part's SHA-256 was checked by the store as it arrived
+        listed = folder.store.list(f"{folder.key}/")
+        for name, entry in sorted(entries.items()):
+            if listed.get(f"{folder.key}/{name}") != entry["bytes"]:
+                raise FormatError(f"{folder / name}: another rank wrote {entry['bytes']} bytes, the store holds "
+                                  f"{listed.get(f'{folder.key}/{name}', 'nothing')}; not published")
+        return
     for name, entry in sorted(entries.items()):
         if name in own:
             continue  # written and hashed by this process a moment ago
@@ -535,7 +544,7 @@ def _reader_classes():
 
         def __init__(self, folder: Path, entries: dict[str, dict], metadata, sub: str = STATE) -> None:
             super().__init__()
-            self.folder, self.entries, self.metadata, self.sub = Path(folder), entries, metadata, sub
+            self.folder, self.entries, self.metadata, self.sub = location(folder), entries, metadata, sub
             self.storage_data: dict = {}
 
         def reset(self, checkpoint_id=None) -> None:
@@ -593,13 +602,8 @@ def _reader_classes():
             for req in reqs:
                 items.setdefault(req.storage_index, []).append(req)
             order = sorted(items, key=lambda index: self.storage_data[index].offset)
-            refuse_links(self.folder, name)
-            try:
-                f = open(path, "rb", buffering=0, opener=no_follow)
-            except OSError as e:
-                raise FormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+            f, size = open_read(self.folder, name, FormatError)
             with f:
-                size = os.fstat(f.fileno()).st_size
                 if size != entry["bytes"]:  # every item was bounded by the listed size (check_metadata)
                     raise FormatError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
                 r, later = HashingReader(f, path), []
@@ -682,7 +686,7 @@ def load(state: dict, folder: Path, entries: dict[str, dict], metadata, group=No
     that does not verify on any rank raises on every rank (DCP gathers the failures)."""
     import torch.distributed.checkpoint as dcp
 
-    check_metadata(metadata, entries, Path(folder) / sub / METADATA, sub)  # every rank alike, before DCP allocates
+    check_metadata(metadata, entries, location(folder) / sub / METADATA, sub)  # every rank alike, before DCP allocates
     reader_cls, planner_cls = _reader_classes()
     dcp.load(state, storage_reader=reader_cls(folder, entries, metadata, sub), planner=planner_cls(), process_group=group,
              no_dist=no_dist)
@@ -705,7 +709,7 @@ def read_tensors(folder: Path, entries: dict[str, dict], metadata, prefix: str) 
     without a process group: the shapes from the metadata, the values from every rank's files."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_metadata(metadata, entries, Path(folder) / STATE / METADATA)  # its sizes bounded by the files before any is allocated
+    check_metadata(metadata, entries, location(folder) / STATE / METADATA)  # its sizes bounded by the files before any is allocated
     state = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     return load({prefix.rstrip("."): state}, folder, entries, metadata, no_dist=True)[prefix.rstrip(".")]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common.files import fsync_path
+from common.store import location
 
 from . import format, states as rng, storage
 from .config import CheckpointConfig
@@ -244,7 +244,9 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, out_dir: Path, comm: Collectives, meta: RunMeta, durable: tuple[Path, ...] = ()) -> None:
         self.cfg, self.comm, self.meta = cfg, comm, meta
-        self.root = Path(out_dir) / storage.CHECKPOINTS
+        self.store = storage.store_of(out_dir)
+        """Where the checkpoints are: storage.LocalStore (a folder) or remote.RemoteStore (s3://...): the one switch."""
+        self.root = self.store.root
         self.durable = tuple(Path(p) for p in durable)
         """Files whose contents up to a step must be as durable as that step's checkpoint (the metrics)."""
         self.token = comm.broadcast(uuid.uuid4().hex[:8])  # names this launch's temporary folders alike on every rank
@@ -292,12 +294,12 @@ class CheckpointManager:
         or (folder, None, why it cannot be used, whether it is of the earlier layout). Files present
         with their sizes, no link in them; nothing hashed yet."""
         mode = self.cfg.resume
-        if (self.root / CONVERT_JOURNAL).exists():
+        if isinstance(self.root, Path) and (self.root / CONVERT_JOURNAL).exists():
             raise storage.CheckpointMismatch(
                 f"{self.root / CONVERT_JOURNAL}: a conversion of the earlier layout was interrupted; finish it first "
                 f"(nothing was loaded or deleted): {storage.CONVERT} {self.root.parent}")
         if mode == "never":
-            existing = storage.list_checkpoints(self.root)
+            existing = self.store.list_steps()
             if existing:
                 raise storage.CheckpointMismatch(
                     f"checkpoint.resume=never, but {self.root} already holds checkpoints "
@@ -305,18 +307,18 @@ class CheckpointManager:
                     f"fresh run, or checkpoint.resume=auto to continue this one")
             return []
         if mode != "auto":
-            path = Path(mode)
-            if not (path / storage.MANIFEST).exists() and path.is_dir() and (path / storage.CHECKPOINTS).is_dir():
+            path = location(mode)
+            if isinstance(path, Path) and not (path / storage.MANIFEST).exists() and path.is_dir() and (path / storage.CHECKPOINTS).is_dir():
                 raise storage.CheckpointMismatch(
                     f"checkpoint.resume={mode} is a run folder; give one of its checkpoints/step_* folders, "
                     f"or use checkpoint.resume=auto with out_dir={mode}")
             folders = [path]
         else:
-            folders = [folder for _, folder in storage.list_checkpoints(self.root, warn=True)]
+            folders = [folder for _, folder in self.store.list_steps(warn=True)]
         out = []
         for folder in folders:
             try:
-                out.append((str(folder), storage.listed_files_present(folder), None, False))
+                out.append((str(folder), self.store.listed(folder), None, False))
             except storage.CheckpointError as e:
                 out.append((str(folder), None, str(e), isinstance(e, storage.OldLayout)))
         return out
@@ -333,10 +335,13 @@ class CheckpointManager:
         t0 = time.monotonic()
         found: Any = None
         if self.comm.is_main:  # nothing is created here: the first publish makes the folder
-            for p in storage.clear_temporaries(self.root):
-                log.info("removed %s, left by an interrupted %s", p, "save" if p.name.startswith(storage.TMP_PREFIX) else "prune or replacement")
             try:
-                found = {"candidates": self._candidates()}
+                for what in self.store.clear():
+                    log.info("removed %s", what)
+            except Exception as e:  # noqa: BLE001 - said below, on every rank
+                found = {"error": f"{self.root}: {e}", "mismatch": False}
+            try:
+                found = found or {"candidates": self._candidates()}
             except storage.CheckpointError as e:
                 found = {"error": str(e), "mismatch": isinstance(e, storage.CheckpointMismatch)}
             except Exception as e:  # anything else on rank 0 alone: every rank stops with it now, not at a timeout
@@ -346,7 +351,7 @@ class CheckpointManager:
             raise (storage.CheckpointMismatch if found["mismatch"] else storage.CheckpointError)(found["error"])
         explicit, faults = self.cfg.resume != "auto", []
         for folder, manifest, why, old_layout in found["candidates"]:
-            path = Path(folder)
+            path = location(folder)
             if old_layout:  # newer than any checkpoint that loads: converting it is the way on, not an older step (exit 2)
                 raise storage.OldLayout(why)
             if manifest is not None:
@@ -379,9 +384,10 @@ class CheckpointManager:
         key), CheckpointError when anything of it is unusable (damaged, forged, a link)."""
         meta_name = f"{format.STATE}/{format.METADATA}"
         data: Any = None
+        src = self.store.files(path, manifest)  # where the listed files lie (the folder itself, or the save's prefix in the store)
         if self.comm.is_main:
             try:
-                data = format.verified_bytes(path, meta_name, manifest["files"])
+                data = format.verified_bytes(src, meta_name, manifest["files"])
             except storage.CheckpointError as e:
                 data = {"error": str(e)}
             except Exception as e:  # noqa: BLE001 - rank 0 alone: brought to every rank, not raised here
@@ -389,7 +395,7 @@ class CheckpointManager:
         data = self.comm.broadcast(data)  # rank 0 read and verified it; every rank unpickles and checks the same bytes
         if isinstance(data, dict):
             raise storage.CheckpointError(data["error"])
-        metadata = format.read_metadata(data, path / meta_name, manifest["files"])  # chunk coverage and bounds checked
+        metadata = format.read_metadata(data, src / meta_name, manifest["files"])  # chunk coverage and bounds checked
         target = {}
         for name, obj in states.items():
             if format.has(metadata, name):
@@ -411,9 +417,10 @@ class CheckpointManager:
                 f"{path}: its states do not fit this run's: {'; '.join(next(m for m in misfits if m)[:8])}{since}; nothing was loaded")
         # The files DCP does not read (the fp16 weights, the tokenizer's) verified beside the states' read: a resumed
         # checkpoint is whole, every file of it as the manifest says (it is counted as valid from now on).
-        others = _hasher.submit(storage.verify, path, lambda name: not name.startswith(f"{format.STATE}/")) if self.comm.is_main else None
+        others = _hasher.submit(self.store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \
+            if self.comm.is_main else None
         try:
-            format.load(target, path, manifest["files"], metadata, **self._dcp())
+            format.load(target, src, manifest["files"], metadata, **self._dcp())
         except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike
             raise dcp_failure(e, f"loading {path}") from None
         finally:
@@ -532,7 +539,7 @@ class CheckpointManager:
         if blobs is not None:
             snapshot["rng"] = {str(r): blob for r, blob in enumerate(blobs)}
         dcp = self._dcp()
-        tmp = self.root / f"{storage.TMP_PREFIX}{storage.step_dir_name(step)}-{self.token}"
+        tmp = self.store.staging(step, self.token)
         if not background:
             self._write(step, snapshot, tmp, dcp, False, t0)
             return
@@ -573,15 +580,13 @@ class CheckpointManager:
                 whole_model = format.read_tensors(tmp, entries, metadata, "model.")
                 model_sha = _hasher.submit(storage.model_sha256, whole_model, self.meta.architecture)
                 half = _hasher.submit(write_half, tmp / storage.WEIGHTS_FILE, whole_model, background)
-            for path in self.durable:  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
-                if path.exists():
-                    fsync_path(path)
+            self.store.make_durable(self.durable)  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
             manifest = {**snapshot["train"], **self.meta.record(), "model_sha256": model_sha, "identity": storage.IDENTITY,
                         "created_unix": time.time()}
             written = {**entries, storage.WEIGHTS_FILE: half}
-            final = storage.publish(self.root, step, dict(self.meta.files), manifest, tmp=tmp, written=written)
+            final = self.store.publish(step, dict(self.meta.files), manifest, tmp, written)
             self.owned.add(final)
-            pruned = storage.prune(self.root, self.cfg.keep, self.owned, later=self._retire)
+            pruned = self.store.prune(self.cfg.keep, self.owned, later=self._retire)
             published.append(final)
             log.info("saved %s: step %d, %.2fs%s", final, step, time.monotonic() - t0,
                      f", pruned {', '.join(p.name for p in pruned)}" if pruned else "")
@@ -593,8 +598,8 @@ class CheckpointManager:
         finally:
             if half is not None:
                 concurrent.futures.wait([half])  # done writing into tmp before it is removed (its error, if any, was raised)
-            if self.comm.is_main and not published and tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            if self.comm.is_main and not published:
+                self.store.discard(tmp)
 
     # ---------------------------------------------------------------- background bookkeeping
     def _retire(self, fn) -> None:

@@ -55,7 +55,9 @@ READS = (2, 3)
 """The manifest formats this trainer loads."""
 CONVERT = "python -m checkpoint convert"
 log = logging.getLogger("minimind")
-_NAME = re.compile(r"^step_(\d{8})$")
+NAME = _NAME = re.compile(r"^step_(\d{8})$")
+TOKEN = re.compile(r"^[0-9a-f]{8,32}$")
+"""A save's token: the prefix of its files in the store (checkpoint/remote.py)."""
 TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 MOVED_ASIDE = "moved_aside"
@@ -365,6 +367,12 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: does not parse ({e})") from None
+    return check_manifest(body, path, folder.name, folder)
+
+
+def check_manifest(body, path, name: str, folder=None) -> dict:
+    """A parsed manifest (at `path`, of the step folder called `name`) checked: a checkpoint
+    manifest of a format this trainer reads, listing only its own plain file names, of its folder's step."""
     if not isinstance(body, dict) or not isinstance(body.get("files"), dict) or not isinstance(body.get("step"), int):
         raise CheckpointError(f"{path}: not a checkpoint manifest (no 'files' mapping or integer 'step')")
     if body.get("format") == 1:
@@ -372,18 +380,18 @@ def read_manifest(folder: Path) -> dict:
                         f"no longer loads; convert it once, in place (nothing is deleted): {CONVERT} {folder.parent.parent}")
     if body.get("format") not in READS:
         raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads formats {', '.join(map(str, READS))}")
-    for name, entry in body["files"].items():
+    for name_, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
-        if name not in FILES and not STATE_NAME.match(name):
-            raise CheckpointError(f"{path}: lists {name!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))}"
+        if name_ not in FILES and not STATE_NAME.match(name_):
+            raise CheckpointError(f"{path}: lists {name_!r}, which is not a file this trainer writes (expected {', '.join(sorted(FILES))}"
                                   f" or {STATE}/__<rank>_<n>.distcp and {STATE}/{METADATA})")
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
-            raise CheckpointError(f"{path}: the entry for {name} is not {{'bytes': int, 'sha256': str}}")
+            raise CheckpointError(f"{path}: the entry for {name_} is not {{'bytes': int, 'sha256': str}}")
     if f"{STATE}/{METADATA}" not in body["files"]:
         raise CheckpointError(f"{path}: does not list {STATE}/{METADATA}")
-    m = _NAME.match(folder.name)
+    m = _NAME.match(name)
     if m and int(m.group(1)) != body["step"]:
-        raise CheckpointError(f"{path}: says step {body['step']}, but the folder is {folder.name}")
+        raise CheckpointError(f"{path}: says step {body['step']}, but the folder is {name}")
     return body
 
 
@@ -399,7 +407,7 @@ def verify(folder: Path, only=None, foreign_ok: bool = False) -> dict:
         with open(folder / name, "rb") as f:
             while block := f.read(1 << 22):
                 sha.update(block)
-        _check_sha(folder / name, sha.hexdigest(), entry)
+        check_sha(folder / name, sha.hexdigest(), entry)
     return body
 
 
@@ -441,7 +449,7 @@ def check_foreign(folder: Path, body: dict) -> None:
                               f"may be in a checkpoint (move them out to use it)")
 
 
-def _check_sha(path: Path, sha: str, entry: dict) -> None:
+def check_sha(path, sha: str, entry: dict) -> None:
     if sha != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {sha[:12]}... does not match the manifest's {entry['sha256'][:12]}... (corrupted)")
 
@@ -570,3 +578,57 @@ def identity_matches(record: dict, key: str, state_dict: dict[str, torch.Tensor]
     written with; returns (equal, the hash computed the same way)."""
     got = model_sha256(state_dict, architecture) if record.get("identity") == IDENTITY else legacy_model_sha256(state_dict)
     return got == record.get(key), got
+
+
+class LocalStore:
+    """The checkpoints of a run folder on a local (POSIX) filesystem: what CheckpointManager calls
+    (checkpoint/remote.py: RemoteStore is its twin in object storage). Each method is this module's
+    function of the same step of the protocol."""
+
+    def __init__(self, run: Path) -> None:
+        self.run, self.root = Path(run), Path(run) / CHECKPOINTS
+
+    def list_steps(self, warn: bool = False) -> list[tuple[int, Path]]:
+        return list_checkpoints(self.root, warn)
+
+    def listed(self, folder: Path) -> dict:
+        return listed_files_present(folder)
+
+    def files(self, folder: Path, manifest: dict) -> Path:
+        return folder
+
+    def verify(self, folder: Path, manifest: dict | None = None, only=None) -> dict:
+        return verify(folder, only)
+
+    def clear(self) -> list[str]:
+        return [f"{p}, left by an interrupted {'save' if p.name.startswith(TMP_PREFIX) else 'prune or replacement'}"
+                for p in clear_temporaries(self.root)]
+
+    def staging(self, step: int, token: str) -> Path:
+        return self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
+
+    def discard(self, tmp: Path) -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def make_durable(self, paths) -> None:
+        for path in paths:  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
+            if Path(path).exists():
+                fsync_path(Path(path))
+
+    def publish(self, step: int, files: dict, manifest: dict, tmp: Path, written: dict) -> Path:
+        return publish(self.root, step, files, manifest, tmp=tmp, written=written)
+
+    def prune(self, keep: int, owned: set, later=None) -> list[Path]:
+        return prune(self.root, keep, owned, later)
+
+
+def store_of(out_dir):
+    """The checkpoint store of a run folder: LocalStore for a path, RemoteStore for s3://BUCKET/PREFIX."""
+    from common.store import RemotePath, is_url
+
+    if is_url(out_dir):
+        from .remote import RemoteStore
+
+        return RemoteStore(RemotePath(str(out_dir)))
+    return LocalStore(Path(out_dir))

@@ -36,6 +36,7 @@ from pathlib import Path
 from checkpoint import format, storage
 from common.kernels import reproducible_kernels
 from common.outcome import BadInput, command
+from common.store import is_url
 from run import folder
 
 
@@ -296,25 +297,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("inspect", help="print a checkpoint's step, geometry, model_sha256 and files as JSON")
-    p.add_argument("path", type=Path)
+    p.add_argument("path", type=_place)
     c = sub.add_parser("compare", help="compare two run folders: model_sha256 and every logged loss (exit 0 when identical)")
-    c.add_argument("run_a", type=Path)
-    c.add_argument("run_b", type=Path)
+    c.add_argument("run_a", type=_place)
+    c.add_argument("run_b", type=_place)
     g = sub.add_parser("generate", help="load the fp16 weights (verified, weights_only) and continue a prompt")
-    g.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    g.add_argument("path", type=_place, help="a checkpoint folder or a run folder")
     g.add_argument("--prompt", default="Return the ")
     g.add_argument("--tokens", type=int, default=None, help="new tokens at most (default: up to model.seq_len positions)")
     _sampling_arguments(g)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow; for checks)")
     ch = sub.add_parser("chat", help="talk to a fine-tuned run: the tokenizer's chat template, generation until <|im_end|>")
-    ch.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    ch.add_argument("path", type=_place, help="a checkpoint folder or a run folder")
     ch.add_argument("--prompt", help="one user turn: print the reply and exit (default: interactive, the history kept)")
     ch.add_argument("--system", help="a system turn in front of the conversation")
     ch.add_argument("--tokens", type=int, default=None, help="new tokens per reply at most (default: up to model.seq_len positions)")
     _sampling_arguments(ch)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the checkpoint: POST /v1/chat/completions, "
                                       "GET /v1/models (docs/serving.md)")
-    sv.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    sv.add_argument("path", type=_place, help="a checkpoint folder or a run folder")
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
     sv.add_argument("--port", type=_number(int, 0, 65535), default=8000, help="the port (0: any free one, said on stderr; default 8000)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
@@ -323,7 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--queue", type=_number(int, 0), default=16, help="requests waiting for a slot before more get 429 (default 16)")
     ev = sub.add_parser("eval", help="score multiple-choice tasks (acc, acc_norm) and perplexity as lm-evaluation-harness does "
                                      "(docs/eval.md)")
-    ev.add_argument("path", type=Path, help="a checkpoint folder or a run folder")
+    ev.add_argument("path", type=_place, help="a checkpoint folder or a run folder")
     ev.add_argument("--tasks", nargs="+", metavar="TASK", help="task files (.jsonl or .csv: question, A, B, C, D, answer) or "
                                                                "'arith' (built in); 'text:TASK' scores each choice's text")
     ev.add_argument("--perplexity", nargs="+", metavar="FILE", help="held-out text: a .jsonl of {\"text\"} lines or a text file")
@@ -331,7 +332,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, help="also write the results here, with each item's picks")
     e = sub.add_parser("export", help="write the weights for MiniMind (--format minimind) or Hugging Face (--format hf; a LoRA run's "
                                           "merged), or a LoRA run's adapters for PEFT (--format peft)")
-    e.add_argument("path", type=Path, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
+    e.add_argument("path", type=_place, help="a checkpoint folder or a run folder (its newest valid checkpoint)")
     e.add_argument("--format", required=True, choices=("minimind", "hf", "peft"))
     e.add_argument("--out", type=Path, required=True, help="the .pth file (minimind) or folder (hf, peft) to create")
     e.add_argument("--base", metavar="NAME", help="peft: the adapter_config.json's base_model_name_or_path, as PEFT should load "
@@ -340,13 +341,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--with-base", action="store_true", help="peft: write the base's Hugging Face export inside the adapter "
                                                              "folder (OUT/base), named by a relative base_model_name_or_path")
     pl = sub.add_parser("plot", help="draw loss, validation loss and LR against the step for one or more runs (matplotlib)")
-    pl.add_argument("runs", type=Path, nargs="+")
+    pl.add_argument("runs", type=_place, nargs="+")
     pl.add_argument("--out", type=Path, required=True, help="the PNG to write")
     pl.add_argument("--keys", nargs="+", metavar="KEY", help="other logged figures to draw, a panel each (e.g. distill_loss "
                                                              "top1_agreement ce_loss)")
     st = sub.add_parser("status", help="where the run is (JSON): state, step, the loss or the objective's figure, tokens/s, "
                                        "the last checkpoint, an ETA, who holds the folder")
-    st.add_argument("run", type=Path)
+    st.add_argument("run", type=_place)
     st.add_argument("--exit-code", action="store_true",
                     help="wait until no process holds the folder, then exit with the run's exit code (75: stopped, resume me)")
     st.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
@@ -362,8 +363,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _place(value: str):
+    """A command's run or checkpoint argument: a URL as it is (s3://...; fetched by _fetch), else a Path."""
+    return value if is_url(value) else Path(value)
+
+
+def _fetch(place, checkpoint: bool = True):
+    """A run folder or checkpoint in the store as a local copy the commands read like any folder
+    (checkpoint/remote.py: fetch, every file verified as it comes down); a local path as it is."""
+    if not is_url(place):
+        return place
+    from checkpoint import remote
+
+    run, _, step = str(place).rstrip("/").rpartition(f"/{storage.CHECKPOINTS}/")
+    if not (run and storage.NAME.match(step)):
+        run, step = str(place).rstrip("/"), None
+    local = remote.fetch(run, folder.fetched_dir(run), step, checkpoint)
+    return local / storage.CHECKPOINTS / step if step else local
+
+
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    for name in ("path", "run_a", "run_b", "run"):  # a run folder in object storage: read from a verified local copy
+        if getattr(args, name, None) is not None and not (args.verb == "convert"):
+            setattr(args, name, _fetch(getattr(args, name), checkpoint=args.verb != "status" or args.sample))
+    if getattr(args, "runs", None):
+        args.runs = [_fetch(r, checkpoint=False) for r in args.runs]
     # Which checkpoint a command used, and a newer one skipped as damaged, go to stderr.
     log = logging.getLogger("minimind")
     if not any(isinstance(h, _Stderr) for h in log.handlers):

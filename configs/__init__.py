@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from common.outcome import BadInput
+from common.store import is_url, parse
 
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
@@ -287,7 +288,12 @@ class Config:
                 target_names(self.train.lora, self.model)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+        if is_url(self.out_dir):  # a run folder in object storage (docs/object_storage.md): the URL's form, here
+            try:
+                parse(self.out_dir)
+            except BadInput as e:
+                raise ConfigError(str(e)) from None
+        elif Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
 
 

@@ -9,6 +9,12 @@
 The lock is `fcntl.lockf` (a POSIX record lock): the kernel drops it when the holder dies, however
 it dies, so a SIGKILLed run never leaves a stale lock, and forked children (DataLoader workers) do
 not inherit it. docs/run_folder.md says what holds on NFS and Lustre.
+
+A run folder in object storage (`out_dir=s3://BUCKET/PREFIX`, docs/object_storage.md) has the same
+names as objects; its lock is a lease object (common/store.py: Lease), and this process writes
+status.json, config.yaml and metrics.jsonl in a local staging copy (`local_dir`) that is filled
+from the store when the lease is taken: status.json goes back at every write, metrics.jsonl and
+config.yaml with every checkpoint (checkpoint/remote.py), so a fresh node needs nothing local.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from pathlib import Path
 from checkpoint.storage import CHECKPOINTS
 from common.files import atomic_write
 from common.outcome import BadInput, exit_code
+from common.store import Lease, RemotePath, StoreError, StoreRefused, is_url, parse
 
 log = logging.getLogger("minimind")
 
@@ -32,6 +39,8 @@ LOCK = ".lock"
 STATUS = "status.json"
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+STAGING_ENV = "MINIMIND_STAGING_DIR"
+"""Where a run folder in the store has its local staging copy (default ~/.cache/minimind/staging)."""
 LAUNCH_ENV = "MINIMIND_LAUNCH_ID"
 """Set by the launch scripts: the status records it, so a script knows the status is its launch's."""
 
@@ -50,11 +59,39 @@ def describe_holder(info: dict) -> str:
 
 def read_holder(out_dir: Path) -> dict:
     """What the lock file says about its holder ({} when empty or unreadable)."""
+    if (run := _fetched.get(Path(out_dir))) is not None:
+        return Lease(run.store, (run / LOCK).key).holder()[0]
     try:
         info = json.loads((Path(out_dir) / LOCK).read_text() or "{}")
         return info if isinstance(info, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def local_dir(out_dir) -> Path:
+    """The folder this process writes the run's own files in: `out_dir` itself, or for a run folder
+    in the store (s3://BUCKET/PREFIX) its staging copy STAGING/BUCKET/PREFIX: a bounded cache that a
+    fresh node does not need (take() fills it from the store)."""
+    if not is_url(out_dir):
+        return Path(out_dir)
+    bucket, prefix = parse(str(out_dir))
+    root = Path(os.environ.get(STAGING_ENV) or Path.home() / ".cache" / "minimind" / "staging")
+    return root / bucket / prefix
+
+
+def fetched_dir(url) -> Path:
+    """Where the commands (inspect, status, ...) keep their verified copy of a run folder in the store:
+    STAGING/.fetched/BUCKET/PREFIX, apart from a training's staging copy."""
+    bucket, prefix = parse(str(url))
+    root = Path(os.environ.get(STAGING_ENV) or Path.home() / ".cache" / "minimind" / "staging")
+    _fetched[root / ".fetched" / bucket / prefix] = RemotePath(url)
+    return root / ".fetched" / bucket / prefix
+
+
+_fetched: dict[Path, RemotePath] = {}
+"""The commands' copies of run folders in the store -> the run folder (its lease says who holds it)."""
+_remote: dict[Path, RemotePath] = {}
+"""Staging copies of run folders in the store whose lease this process holds -> the run folder."""
 
 
 @dataclass
@@ -65,8 +102,14 @@ class RunLock:
     fd: int
     created: tuple[Path, ...] = ()
     """The folders this launch made to hold the run (out_dir and the parents it lacked), innermost first."""
+    lease: Lease | None = None
+    """A run folder in the store: the lease held instead of an OS lock (out_dir is then the staging copy)."""
 
     def release(self) -> None:
+        if self.lease is not None:
+            _remote.pop(self.out_dir, None)
+            self.lease.release()
+            self.lease = None
         if self.fd >= 0:
             try:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
@@ -102,10 +145,48 @@ def _open_lock_file(out_dir: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
+RUN_NAMES = (LOCK, STATUS, CONFIG, METRICS, CHECKPOINTS)
+"""The names a run folder in the store holds (anything else there: not a run folder, refused)."""
+
+
+def _acquire_remote(url: str, timeout_s: float) -> RunLock:
+    """A run folder in the store: the bucket and credentials checked, the prefix holding nothing but a
+    run folder's names, the store's conditional writes probed, then the lease; the staging copy filled."""
+    run = RemotePath(url)
+    store = run.store
+    store.check()
+    if run.key and store.head(run.key) is not None:
+        raise RunFolderError(f"out_dir={url} is an object, not a run folder (expected a prefix that holds a run folder, or a new one)")
+    base = f"{run.key}/" if run.key else ""
+    others = sorted({k[len(base):].split("/")[0] for k in store.list(base)} - set(RUN_NAMES))
+    others = [k for k in others if not k.startswith(".probe-")]
+    if others:
+        raise RunFolderError(f"out_dir={url} holds {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which no run folder "
+                             f"holds (a run folder has {', '.join(RUN_NAMES)}): another kind of data; use another prefix")
+    store.probe_conditional_writes(run.key)
+    lease = Lease(store, (run / LOCK).key).acquire(timeout_s)
+    try:
+        local = local_dir(url)
+        local.mkdir(parents=True, exist_ok=True)
+        for name in (STATUS, CONFIG, METRICS):  # the store's copy is the run's; a local one from another launch is stale
+            got = store.get((run / name).key)
+            if got is not None:
+                atomic_write(local / name, got[0])
+            else:
+                (local / name).unlink(missing_ok=True)
+    except BaseException:
+        lease.release()
+        raise
+    _remote[local] = run
+    return RunLock(local, -1, (), lease)
+
+
 def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
     """Take the run folder's lock, waiting up to `timeout_s` for its holder to leave.
 
     Raises RunFolderError naming the holder when it is still held after the wait."""
+    if is_url(out_dir):
+        return _acquire_remote(str(out_dir), timeout_s)
     out_dir = Path(out_dir)
     created = _missing(out_dir)
     fd = _open_lock_file(out_dir)
@@ -159,6 +240,11 @@ def write_status(out_dir: Path, outcome: str, step: int | None = None, cause: st
               "launch_id": os.environ.get(LAUNCH_ENV), "pid": os.getpid(), "host": socket.gethostname(),
               "updated_unix": round(time.time(), 3)}
     atomic_write(Path(out_dir) / STATUS, json.dumps(record, indent=1) + "\n")
+    if (run := _remote.get(Path(out_dir))) is not None:  # a run folder in the store: the status goes there at once
+        try:
+            run.store.put((run / STATUS).key, (json.dumps(record, indent=1) + "\n").encode())
+        except (StoreError, StoreRefused) as e:  # the run's own outcome stands; its record in the store is stale
+            log.warning("%s: the status could not be written to the store (%s); the local copy %s has it", run, e, out_dir)
     return record
 
 
@@ -217,7 +303,17 @@ def read_status(out_dir: Path) -> dict | None:
 
 def wait_until_free(out_dir: Path, timeout_s: float) -> bool:
     """True once nobody holds the run folder's lock (taken and released at once); False on timeout.
-    A launcher uses it so that workers that outlived their torchrun finish their save first."""
+    A launcher uses it so that workers that outlived their torchrun finish their save first. A run
+    folder in the store (a command's copy of it) is free once its lease is gone or expired."""
+    if (run := _fetched.get(Path(out_dir))) is not None:
+        end = time.monotonic() + timeout_s
+        while True:
+            head = run.store.head((run / LOCK).key)
+            if head is None or head.age_s > max(Lease(run.store, "").ttl_s, 1) + 1:
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.5)
     path = Path(out_dir) / LOCK
     if not path.is_file():
         return True
@@ -244,11 +340,15 @@ def take(out_dir: Path, timeout_s: float, comm) -> RunLock | None:
     lock, outcome = None, None
     if comm.is_main:
         try:
-            lock = acquire(Path(out_dir), timeout_s)
+            lock = acquire(out_dir, timeout_s)
             write_status(lock.out_dir, "running")
-        except (RunFolderError, OSError) as e:
-            outcome = str(e)
+        except (RunFolderError, StoreRefused, OSError) as e:
+            outcome = (str(e), True)
+        except StoreError as e:  # the store did not answer (after its retries): a failure, exit 1
+            outcome = (str(e), False)
     outcome = comm.broadcast(outcome)
     if outcome:
-        raise RunFolderError(outcome)
+        if lock is not None:
+            lock.release()
+        raise RunFolderError(outcome[0]) if outcome[1] else StoreError(outcome[0])
     return lock

