@@ -171,7 +171,7 @@ class Store:
                 session = boto3.session.Session()
                 region = session.region_name or "us-east-1"
                 # Our own retries (logged, bounded); botocore's CRC on every upload off: we send SHA-256 ourselves.
-                config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60,
+                config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60,
                                 max_pool_connections=32, s3={"addressing_style": "path"},
                                 request_checksum_calculation="when_required", response_checksum_validation="when_required")
                 self._client = session.client("s3", region_name=region, config=config)

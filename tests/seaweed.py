@@ -115,3 +115,71 @@ class Seaweed:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
             for o in page.get("Contents", []):
                 client.delete_object(Bucket=BUCKET, Key=o["Key"])
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the server that answers some requests itself with an
+    error (throttling, a 5xx) and forwards the rest byte for byte (a request's signature covers its
+    Host header, which the proxy passes on unchanged). `plan(method, path, n)` -> a status to answer
+    with instead of forwarding (n counts the requests so far), or None."""
+
+    def __init__(self, target: Seaweed, plan) -> None:
+        import http.server
+        import threading
+
+        proxy = self
+        self.plan, self.count, self.injected = plan, 0, []
+        port = target.ports["s3.port"]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _any(self) -> None:
+                import http.client
+
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.count += 1
+                status = proxy.plan(self.command, self.path, proxy.count)
+                if status:
+                    proxy.injected.append((self.command, self.path, status))
+                    code = "SlowDown" if status == 503 else "InternalError"
+                    data = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected by the test</Message></Error>".encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else 0))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                for k, v in self.headers.items():
+                    conn.putheader(k, v)
+                conn.endheaders()
+                if body:
+                    conn.send(body)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else r.getheader("Content-Length") or 0))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -214,12 +214,12 @@ def test_the_commands_read_a_run_folder_in_the_store_from_a_verified_copy(s3_ser
 @pytest.mark.e2e
 def test_the_server_killed_during_a_save_exits_1_naming_endpoint_and_object_and_after_its_restart_the_resume_is_exact(
         s3_server, url, tiny, tmp_path):
-    args = [*tiny, "train.steps=200", "checkpoint.interval=4"]
+    args = [*tiny, "train.steps=60", "checkpoint.interval=4"]
     launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
     env = s3_env(s3_server, tmp_path / "node")
     proc = launch.start(launch.command(0, *args, "checkpoint.interval=4", f"out_dir={url}"), tmp_path / "a.log",
                         env={**env, "MINIMIND_S3_ATTEMPTS": "3"})
-    launch.wait_for(lambda: any("/step_00000008/manifest.json" in k for k in keys(url)), proc=proc, timeout=120)
+    launch.wait_for(lambda: any("/step_00000004/manifest.json" in k for k in keys(url)), proc=proc, timeout=120)
     s3_server.stop(kill=True)
     try:
         assert proc.wait(timeout=120) == 1
@@ -263,3 +263,64 @@ def test_a_prefix_that_holds_another_kind_of_object_is_refused_naming_it(url, ti
     store_of(BUCKET).put(RemotePath(url).key + "-obj", b"a file")
     code, err = launch.in_process(*tiny, f"out_dir={url}-obj")
     assert code == 2 and "is an object, not a run folder" in err
+
+
+@pytest.mark.e2e
+def test_throttling_and_5xx_answers_are_retried_logged_and_change_nothing_and_past_the_retries_exit_1_naming_the_object(
+        s3_server, url, tiny, tmp_path):
+    import seaweed
+
+    args = [*tiny, "train.steps=6", "checkpoint.interval=2"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    every_fifth = seaweed.FaultProxy(s3_server, lambda method, path, n: (503 if n % 10 == 0 else 500) if n % 5 == 0 else None)
+    try:
+        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": every_fifth.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
+        proc = launch.run(0, *args, f"out_dir={url}", env=env)
+        assert {s for _, _, s in every_fifth.injected} == {500, 503}
+        assert "SlowDown injected by the test; retry 1 of 2" in proc.stderr and "InternalError" in proc.stderr
+    finally:
+        every_fifth.close()
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
+    manifests = seaweed.FaultProxy(s3_server, lambda method, path, n: 503 if method == "PUT" and path.endswith("/manifest.json") else None)
+    try:
+        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": manifests.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
+        proc = launch.run(0, *args, "train.steps=8", f"out_dir={url}", expect=1, env=env)
+        assert f"{manifests.endpoint}: PUT {url}/checkpoints/step_00000008/manifest.json failed after 3 attempts" in proc.stderr
+    finally:
+        manifests.close()
+    assert [s for s, _ in RemoteStore(RemotePath(url)).list_steps()][0] == 6  # the previous step stands
+
+
+BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
+"""A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
+
+
+@pytest.mark.e2e
+def test_sigkill_in_the_middle_of_an_upload_publishes_nothing_half_a_sigterm_exits_75_after_the_publish_and_the_rerun_is_exact(
+        s3_server, url, tiny, tmp_path):
+    args = [*tiny, *BIG, "train.steps=8", "checkpoint.interval=1"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    env = s3_env(s3_server, tmp_path / "node")
+    store, run = store_of(BUCKET), RemotePath(url)
+    proc = launch.start(launch.command(0, *args, f"out_dir={url}"), tmp_path / "a.log", env=env)
+    launch.wait_for(lambda: any("/step_00000002/" in k for k, _ in store.uploads(f"{run.key}/")), proc=proc, every=0.01)
+    launch.kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    steps = [s for s, _ in RemoteStore(run).list_steps()]
+    assert steps in ([], [1], [2], [2, 1]) and store.uploads(f"{run.key}/")  # whatever is listed verifies; the cut upload is invisible
+    for _, folder in RemoteStore(run).list_steps():
+        RemoteStore(run).verify(folder)
+    proc = launch.start(launch.command(0, *args, "checkpoint.interval=0", f"out_dir={url}"), tmp_path / "b.log", env=env)
+    staged = tmp_path / "node" / BUCKET / run.key / "metrics.jsonl"
+    launch.wait_for(lambda: launch.lines(staged) >= 5, proc=proc)
+    launch.kill_tree(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, (tmp_path / "b.log").read_text()[-3000:]
+    stopped = json.loads(store.get(f"{run.key}/status.json")[0])
+    assert stopped["state"] == "stopped" and [s for s, _ in RemoteStore(run).list_steps()][0] == stopped["step"]
+    assert store.uploads(f"{run.key}/") == []  # the killed launch's upload was aborted at the next start
+    launch.run(0, *args, f"out_dir={url}", env=env)
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
