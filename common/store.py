@@ -17,6 +17,7 @@ multipart uploads and reads with ranged GETs. It imports nothing of this reposit
 from __future__ import annotations
 
 import base64
+import datetime
 import email.utils
 import hashlib
 import json
@@ -275,8 +276,13 @@ class Store:
         r = self.call("HEAD", key, self.client.head_object, Bucket=self.bucket, Key=key, missing_ok=True)
         if r is None:
             return None
-        now = email.utils.parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
-        return Head(r["ContentLength"], r["ETag"], (now - r["LastModified"]).total_seconds())
+        now = email.utils.parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])  # the store's clock, not ours
+        modified = r["LastModified"]
+        if now.tzinfo is None:
+            now = now.replace(tzinfo=datetime.timezone.utc)
+        if modified.tzinfo is None:
+            modified = modified.replace(tzinfo=datetime.timezone.utc)
+        return Head(r["ContentLength"], r["ETag"], (now - modified).total_seconds())
 
     def list(self, prefix: str) -> dict[str, int]:
         """Every object under `prefix` (a folder: ends with '/'), key -> size."""

@@ -165,7 +165,7 @@ class FaultProxy:
                 data = r.read()
                 self.send_response(r.status)
                 for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else r.getheader("Content-Length") or 0))
                 self.end_headers()
