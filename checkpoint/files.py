@@ -286,7 +286,7 @@ class UploadWriter(StreamWriter):
         block, n = self.block, self.fill
         self.block, self.fill = None, 0
         data = memoryview(block)[:n]
-        self.sha.update(data)
+        self.sha.update(data)  # the whole file's sha256, in the same pass as its upload
         self.size += n
         if self.upload_id is None and n < STAGE_BLOCK:  # the whole file is less than a block: one PUT at close
             self.small = bytes(data)

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common.store import location
+from common.store import RemotePath, is_url, location
 
 from . import format, states as rng, storage
+from .remote import RemoteStore
 from .config import CheckpointConfig
 
 log = logging.getLogger("minimind")
@@ -37,6 +38,12 @@ bfloat16 run continues in float16)."""
 CONVERT_JOURNAL = "convert.journal"
 """checkpoints/convert.journal: a conversion of the earlier layout under way (cli/convert.py); while it is there no
 resume loads anything (it could be an older step than the one being converted)."""
+
+
+def store_of(out_dir) -> storage.LocalStore | RemoteStore:
+    """The checkpoints of a run folder: storage.LocalStore for a path, remote.RemoteStore for
+    s3://BUCKET/PREFIX (docs/object_storage.md). The manager's one switch between the two."""
+    return RemoteStore(RemotePath(str(out_dir))) if is_url(out_dir) else storage.LocalStore(Path(out_dir))
 
 
 class Stateful(Protocol):
@@ -244,7 +251,7 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, out_dir: Path, comm: Collectives, meta: RunMeta, durable: tuple[Path, ...] = ()) -> None:
         self.cfg, self.comm, self.meta = cfg, comm, meta
-        self.store = storage.store_of(out_dir)
+        self.store = store_of(out_dir)
         """Where the checkpoints are: storage.LocalStore (a folder) or remote.RemoteStore (s3://...): the one switch."""
         self.root = self.store.root
         self.durable = tuple(Path(p) for p in durable)

@@ -622,13 +622,3 @@ class LocalStore:
     def prune(self, keep: int, owned: set, later=None) -> list[Path]:
         return prune(self.root, keep, owned, later)
 
-
-def store_of(out_dir):
-    """The checkpoint store of a run folder: LocalStore for a path, RemoteStore for s3://BUCKET/PREFIX."""
-    from common.store import RemotePath, is_url
-
-    if is_url(out_dir):
-        from .remote import RemoteStore
-
-        return RemoteStore(RemotePath(str(out_dir)))
-    return LocalStore(Path(out_dir))

@@ -292,7 +292,7 @@ def test_each_state_file_is_read_once_and_used_only_as_the_bytes_that_were_hashe
             data = self.path.read_bytes()
             self.path.write_bytes(data.replace(torch.ones(4).numpy().tobytes(), torch.full((4,), 9.0).numpy().tobytes()))
 
-    monkeypatch.setattr(format, "open", counting_open, raising=False)
+    monkeypatch.setattr(files, "open", counting_open, raising=False)  # every read of a file opens it there (files.open_read)
     monkeypatch.setattr(files.HashingReader, "rest", replaced_meanwhile)
     assert torch.equal(read_w(folder), torch.ones(4))  # what was hashed, not what is on disk now
     assert opened.count(("__0_0.distcp", "rb")) == 1  # read once: no second pass that could see other bytes

@@ -85,8 +85,9 @@ def test_two_writers_publishing_one_step_one_wins_and_the_other_is_refused_namin
 def test_a_writer_whose_pointer_moved_since_it_looked_is_refused_and_prunes_nothing(url):
     a, b = manager(url, keep=2), manager(url, keep=2)
     a.load(states())
-    b.load(states())  # b saw no pointer
-    for step in (1, 2, 3):
+    save(a, 1)
+    assert b.load(states()).step == 1  # b saw the pointer at step 1
+    for step in (2, 3):
         save(a, step)
     pointer = json.loads(store_of(BUCKET).get(f"{RemotePath(url).key}/checkpoints/{POINTER}")[0])
     assert pointer["step"] == 3
@@ -323,4 +324,28 @@ def test_sigkill_in_the_middle_of_an_upload_publishes_nothing_half_a_sigterm_exi
     launch.run(0, *args, f"out_dir={url}", env=env)
     got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
                          capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+@pytest.mark.e2e
+def test_the_spot_recipe_a_stopped_vms_replacement_runs_the_same_command_and_the_commands_read_the_store(s3_server, url, tiny, tmp_path):
+    """docs/object_storage.md's commands, as written, but with the test's tiny run and its store."""
+    args = [*tiny, "train.steps=40"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    vm = launch.start(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], tmp_path / "vm1.log",
+                      env=s3_env(s3_server, tmp_path / "vm1"))
+    staged = tmp_path / "vm1" / BUCKET / RemotePath(url).key / "metrics.jsonl"
+    launch.wait_for(lambda: launch.lines(staged) >= 3, proc=vm)
+    vm.send_signal(signal.SIGTERM)  # the preemption notice
+    assert vm.wait(timeout=120) == 75, (tmp_path / "vm1.log").read_text()[-3000:]
+    assert "stopped" in (tmp_path / "vm1.log").read_text().splitlines()[-1]
+    replacement = subprocess.run(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], cwd=launch.ROOT,
+                                 capture_output=True, text=True, env={**os.environ, **s3_env(s3_server, tmp_path / "vm2")}, timeout=300)
+    assert replacement.returncode == 0, replacement.stderr[-3000:]
+    assert "loaded s3://" in replacement.stderr and "finished at step 40" in replacement.stderr.splitlines()[-1]
+    env = {**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "laptop")}
+    status = subprocess.run([sys.executable, "-m", "checkpoint", "status", url], cwd=launch.ROOT, capture_output=True, text=True, env=env)
+    assert status.returncode == 0 and json.loads(status.stdout)["published_step"] == 40, status.stderr
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env=env)
     assert got.returncode == 0, got.stdout + got.stderr
