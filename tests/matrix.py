@@ -27,6 +27,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "checkpointing": ("none", "full"),
     "save": ("sync", "async"),
     "resume": ("same", "2to3", "switch"),
+    "storage": ("local", "s3"),
 }
 SEED = 0
 COST = {"eager": 0, "compiled": 1}

@@ -118,29 +118,38 @@ def figures(out: Path) -> list[dict]:
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_the_case_is_exact_or_refused_naming_its_keys(case, inputs, sources, tmp_path):
+def test_the_case_is_exact_or_refused_naming_its_keys(case, inputs, sources, tmp_path, request):
     args = matrix.overrides(case, data_overrides(inputs), sources(case["model"]) if case["source"] != "seeded" else {})
     (w0, s0), (w1, s1) = matrix.geometry(case)
+    env, out, refused = None, tmp_path / "run", tmp_path / "refused"
+    if case["storage"] == "s3":  # the run folder in object storage (docs/object_storage.md): a real S3 server
+        request.getfixturevalue("s3_server")
+        env = {"MINIMIND_STAGING_DIR": str(tmp_path / "staging")}
+        out = refused = f"s3://runs/matrix-{tmp_path.name}"
     if case.verdict != "run":  # refused at the first launch whose settings the rule names (the start, or the resume)
-        proc = launch.run(w0, *args, f"dist.strategy={s0}", f"train.halt_at={matrix.HALT}", f"out_dir={tmp_path / 'refused'}",
-                          expect=None, launcher="runtime.launch")
+        proc = launch.run(w0, *args, f"dist.strategy={s0}", f"train.halt_at={matrix.HALT}", f"out_dir={refused}",
+                          expect=None, launcher="runtime.launch", env=env)
         if proc.returncode == 0:
-            proc = launch.run(w1, *args, f"dist.strategy={s1}", f"out_dir={tmp_path / 'refused'}", expect=None, launcher="runtime.launch")
+            proc = launch.run(w1, *args, f"dist.strategy={s1}", f"out_dir={refused}", expect=None, launcher="runtime.launch", env=env)
         assert proc.returncode == 2, proc.stderr[-3000:]
         said = [line for line in proc.stderr.strip().splitlines() if not re.match(r"[WEI]\d{4} ", line)]  # torchrun's own log aside
         last = said[-2:]  # the refusal, then at most the launcher's one-line summary
         assert any(all(key in line for key in case.keys) for line in last), last
         assert "Traceback" not in proc.stderr
         return
-    one, out = tmp_path / "one", tmp_path / "run"
+    one = tmp_path / "one"
     if case["compile"] == "eager":  # the uninterrupted run in this process; a compiled one in its own (no compile cache shared)
         code, err = launch.in_process(*args, f"dist.strategy={s0}", f"out_dir={one}")
         assert code == 0, err[-3000:]
     else:
         launch.run(0, *args, f"dist.strategy={s0}", f"out_dir={one}")
-    launch.run(w0, *args, f"dist.strategy={s0}", f"train.halt_at={matrix.HALT}", f"out_dir={out}")
-    resumed = launch.run(w1, *args, f"dist.strategy={s1}", f"out_dir={out}")
+    launch.run(w0, *args, f"dist.strategy={s0}", f"train.halt_at={matrix.HALT}", f"out_dir={out}", env=env)
+    resumed = launch.run(w1, *args, f"dist.strategy={s1}", f"out_dir={out}", env=env)
     assert f"step {matrix.HALT}" in resumed.stderr, resumed.stderr[-3000:]
+    if env:  # read back from the store: the verified copy every command reads (checkpoint/remote.py: fetch)
+        from checkpoint import remote
+
+        out = remote.fetch(out, tmp_path / "fetched")
     assert figures(out) == figures(one)
     info = launch.inspect(out)
     assert info["model_sha256"] == launch.inspect(one)["model_sha256"] and info["manifest_model_sha256_matches"]
