@@ -128,7 +128,7 @@ class FaultProxy:
         import threading
 
         proxy = self
-        self.plan, self.count, self.injected = plan, 0, []
+        self.plan, self.count, self.injected, self.sent = plan, 0, [], 0
         port = target.ports["s3.port"]
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -171,6 +171,7 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                    proxy.sent += len(data)
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any

@@ -44,7 +44,7 @@ NOT_RUN = {
     ".venv/bin/python scripts/bench.py --json docs/bench.json": "the benchmark (30 min): docs/bench.json is its output",
     ".venv/bin/python scripts/bench.py --only peer": "MiniMind's own trainer, installed by the bench: docs/bench.json",
     ".venv/bin/python scripts/resume_lab.py": "tests/test_resume_lab.py runs the lab",
-    **{command: "an S3 store: tests/test_object_storage.py::test_the_spot_recipe_a_stopped_vms_replacement_runs_the_same_command_and_"
+    **{command: "an S3 store: tests/test_object_storage_faults.py::test_the_spot_recipe_a_stopped_vms_replacement_runs_the_same_command_and_"
                 "the_commands_read_the_store runs them against SeaweedFS" for command in (
         "bash scripts/train.sh out_dir=s3://my-bucket/runs/spot-1",
         ".venv/bin/python -m checkpoint status s3://my-bucket/runs/spot-1",

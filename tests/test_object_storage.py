@@ -1,7 +1,7 @@
 """A run folder in object storage (docs/object_storage.md), every test against a real S3 server the
 session starts (SeaweedFS on 127.0.0.1: tests/seaweed.py, the `s3_server` fixture): the store's own
-guarantees first, then the publish protocol, the lease, runs halted and resumed through the store,
-the commands that read it, the faults and the bad input."""
+guarantees first, then the publish protocol, the lease, the commands that read the store, bad
+input, and two nodes without a shared filesystem (the faults: tests/test_object_storage_faults.py)."""
 from __future__ import annotations
 
 import json
@@ -177,75 +177,39 @@ def s3_env(server, staging: Path) -> dict:
 
 
 @pytest.mark.e2e
-def test_a_run_halted_in_the_store_resumed_on_another_node_on_two_processes_equals_the_uninterrupted_local_run(
-        s3_server, url, tiny, tmp_path):
-    args = [*tiny, "dist.reduce=canonical", "train.steps=8", "checkpoint.interval=2"]
-    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
-    launch.run(0, *args, "train.halt_at=4", f"out_dir={url}", env=s3_env(s3_server, tmp_path / "node-a"))
-    assert not (tmp_path / "node-b").exists()
-    proc = launch.run(2, *args, "dist.strategy=fsdp", f"out_dir={url}", env=s3_env(s3_server, tmp_path / "node-b"))
-    assert "loaded s3://" in proc.stderr
-    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
-                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "node-c")})
-    assert got.returncode == 0, got.stdout + got.stderr
-
-
-@pytest.mark.e2e
-def test_the_commands_read_a_run_folder_in_the_store_from_a_verified_copy(s3_server, url, tiny, tmp_path):
+def test_the_commands_read_a_run_folder_in_the_store_from_a_verified_copy(s3_server, url, tiny, tmp_path, monkeypatch, capsys):
     launch.run(0, *tiny, "train.steps=4", "checkpoint.interval=2", f"out_dir={url}", env=s3_env(s3_server, tmp_path / "node"))
-    env = {**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")}
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "tools"))
+    from cli import main
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "checkpoint", *args], cwd=launch.ROOT, capture_output=True, text=True, env=env)
+    def cli(*args):  # the command's main() in this process: the same code path, without importing torch again
+        code = main(list(args))
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return out.out
 
-    inspected = cli("inspect", url)
-    assert inspected.returncode == 0, inspected.stderr
-    assert json.loads(inspected.stdout)["step"] == 4
-    status = cli("status", url)
-    assert status.returncode == 0 and json.loads(status.stdout)["state"] == "finished", status.stdout + status.stderr
-    step2 = cli("inspect", f"{url}/checkpoints/step_00000002")
-    assert step2.returncode == 0 and json.loads(step2.stdout)["step"] == 2, step2.stderr
-    exported = cli("export", url, "--format", "hf", "--out", str(tmp_path / "hf"))
-    assert exported.returncode == 0 and (tmp_path / "hf" / "config.json").exists(), exported.stderr
-    generated = cli("generate", url, "--prompt", "The", "--tokens", "4", "--temperature", "0")
-    assert generated.returncode == 0, generated.stderr
-
-
-# ---------------------------------------------------------------------------------------- faults
-@pytest.mark.e2e
-def test_the_server_killed_during_a_save_exits_1_naming_endpoint_and_object_and_after_its_restart_the_resume_is_exact(
-        s3_server, url, tiny, tmp_path):
-    args = [*tiny, "train.steps=60", "checkpoint.interval=4"]
-    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
-    env = s3_env(s3_server, tmp_path / "node")
-    proc = launch.start(launch.command(0, *args, "checkpoint.interval=4", f"out_dir={url}"), tmp_path / "a.log",
-                        env={**env, "MINIMIND_S3_ATTEMPTS": "3"})
-    launch.wait_for(lambda: any("/step_00000004/manifest.json" in k for k in keys(url)), proc=proc, timeout=120)
-    s3_server.stop(kill=True)
-    try:
-        assert proc.wait(timeout=120) == 1
-        log = (tmp_path / "a.log").read_text()
-        assert s3_server.endpoint in log and "s3://runs/" in log and "failed after 3 attempts" in log, log[-3000:]
-    finally:
-        s3_server.start()
-    launch.run(0, *args, f"out_dir={url}", env=env)
-    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
-                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
-    assert got.returncode == 0, got.stdout + got.stderr
+    assert json.loads(cli("inspect", url))["step"] == 4
+    assert json.loads(cli("status", url))["state"] == "finished"
+    assert json.loads(cli("inspect", f"{url}/checkpoints/step_00000002"))["step"] == 2
+    cli("export", url, "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "config.json").exists()
+    assert cli("generate", url, "--prompt", "The", "--tokens", "4", "--temperature", "0").strip()
+    # a byte changed in the store: a fresh copy refuses it as it comes down, the previous step is used instead
+    copy = tmp_path / "tools" / ".fetched" / BUCKET / RemotePath(url).key / "checkpoints"
+    assert sorted(p.name for p in copy.iterdir()) == ["step_00000004"]  # the copy holds the one checkpoint read last
+    # a byte changed in the store: the copy is refused as it comes down, the previous step is used instead
+    remote = RemoteStore(RemotePath(url))
+    body = remote.read_manifest(remote.root / "step_00000004")
+    state = remote.files(remote.root / "step_00000004", body) / "state/__0_0.distcp"
+    data = bytearray(store_of(BUCKET).get(state.key)[0])
+    data[-1] ^= 1
+    store_of(BUCKET).put(state.key, bytes(data))
+    assert json.loads(cli("inspect", url))["step"] == 4  # the copy already here is the verified bytes: reused
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "another-machine"))
+    assert json.loads(cli("inspect", url))["step"] == 2
 
 
-@pytest.mark.e2e
-def test_wrong_credentials_or_a_missing_bucket_exit_2_naming_the_endpoint_and_the_variable_before_any_training(
-        s3_server, url, tiny, tmp_path):
-    secret = "not-the-secret-" + uuid.uuid4().hex
-    env = {**s3_env(s3_server, tmp_path / "node"), "AWS_SECRET_ACCESS_KEY": secret}
-    proc = launch.run(0, *tiny, f"out_dir={url}", expect=2, env=env)
-    assert s3_server.endpoint in proc.stderr and "AWS_SECRET_ACCESS_KEY" in proc.stderr and secret not in proc.stderr + proc.stdout
-    assert "packed" not in proc.stderr and keys(url) == {}
-    proc = launch.run(0, *tiny, "out_dir=s3://no-such-bucket/run", expect=2, env=s3_env(s3_server, tmp_path / "node"))
-    assert "bucket 'no-such-bucket' does not exist" in proc.stderr and s3_server.endpoint in proc.stderr
-
-
+# ---------------------------------------------------------------------------------------- bad input
 @pytest.mark.unit
 @pytest.mark.parametrize("out_dir, says", [
     ("s3://", "no bucket"), ("s3:///prefix", "no bucket"), ("gs://bucket/run", "unknown scheme 'gs://'"),
@@ -267,85 +231,27 @@ def test_a_prefix_that_holds_another_kind_of_object_is_refused_naming_it(url, ti
 
 
 @pytest.mark.e2e
-def test_throttling_and_5xx_answers_are_retried_logged_and_change_nothing_and_past_the_retries_exit_1_naming_the_object(
-        s3_server, url, tiny, tmp_path):
-    import seaweed
+def test_two_nodes_without_a_shared_filesystem_save_fsdp_shards_each_to_the_store_and_one_node_alone_resumes_bit_exactly(
+        s3_server, url, tiny, corpus, tmp_path):
+    """Two torchrun "nodes" (one process each, a c10d rendezvous on 127.0.0.1), each with its own
+    folders standing for its disk (staging, data cache): under FSDP each rank uploads its own shards;
+    then one node alone (world size 1) resumes the run to the end, equal to the uninterrupted run."""
+    from test_preempt_e2e import free_port, start_node
 
-    args = [*tiny, "train.steps=6", "checkpoint.interval=2"]
+    args = [*tiny, "dist.reduce=canonical", "train.steps=8", "checkpoint.interval=4"]
     launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
-    every_fifth = seaweed.FaultProxy(s3_server, lambda method, path, n: (503 if n % 10 == 0 else 500) if n % 5 == 0 else None)
-    try:
-        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": every_fifth.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
-        proc = launch.run(0, *args, f"out_dir={url}", env=env)
-        assert {s for _, _, s in every_fifth.injected} == {500, 503}
-        assert "SlowDown injected by the test; retry 1 of 2" in proc.stderr and "InternalError" in proc.stderr
-    finally:
-        every_fifth.close()
+    port = free_port()
+    nodes = [start_node(tmp_path, node, port, url, "train.py", *args, "dist.strategy=fsdp", "train.halt_at=4",
+                        f"data.cache_dir={tmp_path / f'disk{node}' / 'cache'}",
+                        env=s3_env(s3_server, tmp_path / f"disk{node}" / "staging")) for node in (0, 1)]
+    assert [p.wait(timeout=300) for p in nodes] == [0, 0], "".join(p.read_text()[-2000:] for p in tmp_path.glob("node*.log"))
+    remote = RemoteStore(RemotePath(url))
+    body = remote.listed(remote.root / "step_00000004")
+    assert {f"state/__{r}_{k}.distcp" for r in (0, 1) for k in (0, 1)} <= set(body["files"])  # each rank's shards, in one manifest
+    assert not (tmp_path / "disk1" / "staging").exists() or not any((tmp_path / "disk1" / "staging").rglob("*.distcp"))
+    alone = launch.run(0, *args, f"data.cache_dir={tmp_path / 'disk2' / 'cache'}", f"out_dir={url}",
+                       env=s3_env(s3_server, tmp_path / "disk2" / "staging"))
+    assert "loaded s3://" in alone.stderr
     got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
                          capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
-    assert got.returncode == 0, got.stdout + got.stderr
-    manifests = seaweed.FaultProxy(s3_server, lambda method, path, n: 503 if method == "PUT" and path.endswith("/manifest.json") else None)
-    try:
-        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": manifests.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
-        proc = launch.run(0, *args, "train.steps=8", f"out_dir={url}", expect=1, env=env)
-        assert f"{manifests.endpoint}: PUT {url}/checkpoints/step_00000008/manifest.json failed after 3 attempts" in proc.stderr
-    finally:
-        manifests.close()
-    assert [s for s, _ in RemoteStore(RemotePath(url)).list_steps()][0] == 6  # the previous step stands
-
-
-BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
-"""A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
-
-
-@pytest.mark.e2e
-def test_sigkill_in_the_middle_of_an_upload_publishes_nothing_half_a_sigterm_exits_75_after_the_publish_and_the_rerun_is_exact(
-        s3_server, url, tiny, tmp_path):
-    args = [*tiny, *BIG, "train.steps=8", "checkpoint.interval=1"]
-    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
-    env = s3_env(s3_server, tmp_path / "node")
-    store, run = store_of(BUCKET), RemotePath(url)
-    proc = launch.start(launch.command(0, *args, f"out_dir={url}"), tmp_path / "a.log", env=env)
-    launch.wait_for(lambda: any("/step_00000002/" in k for k, _ in store.uploads(f"{run.key}/")), proc=proc, every=0.01)
-    launch.kill_tree(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    steps = [s for s, _ in RemoteStore(run).list_steps()]
-    assert steps in ([], [1], [2], [2, 1]) and store.uploads(f"{run.key}/")  # whatever is listed verifies; the cut upload is invisible
-    for _, folder in RemoteStore(run).list_steps():
-        RemoteStore(run).verify(folder)
-    proc = launch.start(launch.command(0, *args, "checkpoint.interval=0", f"out_dir={url}"), tmp_path / "b.log", env=env)
-    staged = tmp_path / "node" / BUCKET / run.key / "metrics.jsonl"
-    launch.wait_for(lambda: launch.lines(staged) >= 5, proc=proc)
-    launch.kill_tree(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=120) == 75, (tmp_path / "b.log").read_text()[-3000:]
-    stopped = json.loads(store.get(f"{run.key}/status.json")[0])
-    assert stopped["state"] == "stopped" and [s for s, _ in RemoteStore(run).list_steps()][0] == stopped["step"]
-    assert store.uploads(f"{run.key}/") == []  # the killed launch's upload was aborted at the next start
-    launch.run(0, *args, f"out_dir={url}", env=env)
-    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
-                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
-    assert got.returncode == 0, got.stdout + got.stderr
-
-
-@pytest.mark.e2e
-def test_the_spot_recipe_a_stopped_vms_replacement_runs_the_same_command_and_the_commands_read_the_store(s3_server, url, tiny, tmp_path):
-    """docs/object_storage.md's commands, as written, but with the test's tiny run and its store."""
-    args = [*tiny, "train.steps=40"]
-    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
-    vm = launch.start(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], tmp_path / "vm1.log",
-                      env=s3_env(s3_server, tmp_path / "vm1"))
-    staged = tmp_path / "vm1" / BUCKET / RemotePath(url).key / "metrics.jsonl"
-    launch.wait_for(lambda: launch.lines(staged) >= 3, proc=vm)
-    vm.send_signal(signal.SIGTERM)  # the preemption notice
-    assert vm.wait(timeout=120) == 75, (tmp_path / "vm1.log").read_text()[-3000:]
-    assert "stopped" in (tmp_path / "vm1.log").read_text().splitlines()[-1]
-    replacement = subprocess.run(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], cwd=launch.ROOT,
-                                 capture_output=True, text=True, env={**os.environ, **s3_env(s3_server, tmp_path / "vm2")}, timeout=300)
-    assert replacement.returncode == 0, replacement.stderr[-3000:]
-    assert "loaded s3://" in replacement.stderr and "finished at step 40" in replacement.stderr.splitlines()[-1]
-    env = {**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "laptop")}
-    status = subprocess.run([sys.executable, "-m", "checkpoint", "status", url], cwd=launch.ROOT, capture_output=True, text=True, env=env)
-    assert status.returncode == 0 and json.loads(status.stdout)["published_step"] == 40, status.stderr
-    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
-                         capture_output=True, text=True, env=env)
     assert got.returncode == 0, got.stdout + got.stderr

@@ -1,0 +1,130 @@
+"""Faults of a run folder in object storage (docs/object_storage.md, "Faults"), each against the real
+S3 server the session starts (tests/seaweed.py): the server killed and restarted, throttling and 5xx
+answers (through a proxy that injects them), a whole tree SIGKILLed in the middle of an upload, a
+SIGTERM on a spot VM and its replacement, credentials and buckets the store refuses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+import launch
+from checkpoint.remote import RemoteStore
+from common.store import RemotePath, store_of
+from test_object_storage import BUCKET, keys, s3_env, url  # noqa: F401 - url is a fixture
+
+@pytest.mark.e2e
+def test_the_server_killed_during_a_save_exits_1_naming_endpoint_and_object_and_after_its_restart_the_resume_is_exact(
+        s3_server, url, tiny, tmp_path):
+    args = [*tiny, "train.steps=60", "checkpoint.interval=4"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    env = s3_env(s3_server, tmp_path / "node")
+    proc = launch.start(launch.command(0, *args, "checkpoint.interval=4", f"out_dir={url}"), tmp_path / "a.log",
+                        env={**env, "MINIMIND_S3_ATTEMPTS": "3"})
+    launch.wait_for(lambda: any("/step_00000004/manifest.json" in k for k in keys(url)), proc=proc, timeout=120)
+    s3_server.stop(kill=True)
+    try:
+        assert proc.wait(timeout=120) == 1
+        log = (tmp_path / "a.log").read_text()
+        assert s3_server.endpoint in log and "s3://runs/" in log and "failed after 3 attempts" in log, log[-3000:]
+    finally:
+        s3_server.start()
+    launch.run(0, *args, f"out_dir={url}", env=env)
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+@pytest.mark.e2e
+def test_wrong_credentials_or_a_missing_bucket_exit_2_naming_the_endpoint_and_the_variable_before_any_training(
+        s3_server, url, tiny, tmp_path):
+    secret = "not-the-secret-" + uuid.uuid4().hex
+    env = {**s3_env(s3_server, tmp_path / "node"), "AWS_SECRET_ACCESS_KEY": secret}
+    proc = launch.run(0, *tiny, f"out_dir={url}", expect=2, env=env)
+    assert s3_server.endpoint in proc.stderr and "AWS_SECRET_ACCESS_KEY" in proc.stderr and secret not in proc.stderr + proc.stdout
+    assert "packed" not in proc.stderr and keys(url) == {}
+    proc = launch.run(0, *tiny, "out_dir=s3://no-such-bucket/run", expect=2, env=s3_env(s3_server, tmp_path / "node"))
+    assert "bucket 'no-such-bucket' does not exist" in proc.stderr and s3_server.endpoint in proc.stderr
+
+
+@pytest.mark.e2e
+def test_throttling_and_5xx_answers_are_retried_logged_and_change_nothing_and_past_the_retries_exit_1_naming_the_object(
+        s3_server, url, tiny, tmp_path):
+    import seaweed
+
+    args = [*tiny, "train.steps=6", "checkpoint.interval=2"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    every_fifth = seaweed.FaultProxy(s3_server, lambda method, path, n: (503 if n % 10 == 0 else 500) if n % 5 == 0 else None)
+    try:
+        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": every_fifth.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
+        proc = launch.run(0, *args, f"out_dir={url}", env=env)
+        assert {s for _, _, s in every_fifth.injected} == {500, 503}
+        assert "SlowDown injected by the test; retry 1 of 2" in proc.stderr and "InternalError" in proc.stderr
+    finally:
+        every_fifth.close()
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
+    manifests = seaweed.FaultProxy(s3_server, lambda method, path, n: 503 if method == "PUT" and path.endswith("/manifest.json") else None)
+    try:
+        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": manifests.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
+        proc = launch.run(0, *args, "train.steps=8", f"out_dir={url}", expect=1, env=env)
+        assert f"{manifests.endpoint}: PUT {url}/checkpoints/step_00000008/manifest.json failed after 3 attempts" in proc.stderr
+    finally:
+        manifests.close()
+    assert [s for s, _ in RemoteStore(RemotePath(url)).list_steps()][0] == 6  # the previous step stands
+
+
+BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
+"""A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
+
+
+@pytest.mark.e2e
+def test_sigkill_of_the_whole_tree_in_the_middle_of_an_upload_publishes_nothing_half_and_the_rerun_is_exact(s3_server, url, tiny, tmp_path):
+    args = [*tiny, *BIG, "train.steps=6", "checkpoint.interval=1"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    env = s3_env(s3_server, tmp_path / "node")
+    store, run = store_of(BUCKET), RemotePath(url)
+    proc = launch.start(launch.command(0, *args, f"out_dir={url}"), tmp_path / "a.log", env=env)
+    launch.wait_for(lambda: any("/step_00000002/" in k for k, _ in store.uploads(f"{run.key}/")), proc=proc, every=0.01)
+    launch.kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert store.uploads(f"{run.key}/")  # the cut upload is there, invisible: no listing shows it as an object
+    for _, folder in RemoteStore(run).list_steps():  # whatever is published verifies (step 1, maybe 2)
+        RemoteStore(run).verify(folder)
+    launch.run(0, *args, f"out_dir={url}", env=env)
+    assert store.uploads(f"{run.key}/") == []  # aborted at the start
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+@pytest.mark.e2e
+def test_the_spot_recipe_a_stopped_vms_replacement_runs_the_same_command_and_the_commands_read_the_store(s3_server, url, tiny, tmp_path):
+    """docs/object_storage.md's commands, as written, but with the test's tiny run and its store."""
+    args = [*tiny, "train.steps=40"]
+    launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
+    vm = launch.start(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], tmp_path / "vm1.log",
+                      env=s3_env(s3_server, tmp_path / "vm1"))
+    staged = tmp_path / "vm1" / BUCKET / RemotePath(url).key / "metrics.jsonl"
+    launch.wait_for(lambda: launch.lines(staged) >= 3, proc=vm)
+    vm.send_signal(signal.SIGTERM)  # the preemption notice
+    assert vm.wait(timeout=120) == 75, (tmp_path / "vm1.log").read_text()[-3000:]
+    assert "stopped" in (tmp_path / "vm1.log").read_text().splitlines()[-1]
+    replacement = subprocess.run(["bash", "scripts/train.sh", "--nproc", "1", *args, f"out_dir={url}"], cwd=launch.ROOT,
+                                 capture_output=True, text=True, env={**os.environ, **s3_env(s3_server, tmp_path / "vm2")}, timeout=300)
+    assert replacement.returncode == 0, replacement.stderr[-3000:]
+    assert "loaded s3://" in replacement.stderr and "finished at step 40" in replacement.stderr.splitlines()[-1]
+    env = {**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "laptop")}
+    status = subprocess.run([sys.executable, "-m", "checkpoint", "status", url], cwd=launch.ROOT, capture_output=True, text=True, env=env)
+    assert status.returncode == 0 and json.loads(status.stdout)["published_step"] == 40, status.stderr
+    got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
+                         capture_output=True, text=True, env=env)
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
