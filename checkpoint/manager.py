@@ -325,7 +325,7 @@ class CheckpointManager:
         out = []
         for folder in folders:
             try:
-                out.append((str(folder), self.store.listed(folder), None, False))
+                out.append((str(folder), store_of(folder.parent.parent).listed(folder), None, False))  # checkpoint.resume: any place
             except storage.CheckpointError as e:
                 out.append((str(folder), None, str(e), isinstance(e, storage.OldLayout)))
         return out
@@ -391,7 +391,8 @@ class CheckpointManager:
         key), CheckpointError when anything of it is unusable (damaged, forged, a link)."""
         meta_name = f"{format.STATE}/{format.METADATA}"
         data: Any = None
-        src = self.store.files(path, manifest)  # where the listed files lie (the folder itself, or the save's prefix in the store)
+        store = store_of(path.parent.parent)  # the folder's own kind: checkpoint.resume may name a place other than out_dir
+        src = store.files(path, manifest)  # where the listed files lie (the folder itself, or the save's prefix in the store)
         if self.comm.is_main:
             try:
                 data = format.verified_bytes(src, meta_name, manifest["files"])
@@ -424,7 +425,7 @@ class CheckpointManager:
                 f"{path}: its states do not fit this run's: {'; '.join(next(m for m in misfits if m)[:8])}{since}; nothing was loaded")
         # The files DCP does not read (the fp16 weights, the tokenizer's) verified beside the states' read: a resumed
         # checkpoint is whole, every file of it as the manifest says (it is counted as valid from now on).
-        others = _hasher.submit(self.store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \
+        others = _hasher.submit(store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \
             if self.comm.is_main else None
         try:
             format.load(target, src, manifest["files"], metadata, **self._dcp())

@@ -62,7 +62,7 @@ class RemoteStore:
                        if storage.MANIFEST in leaves and PRUNING not in leaves), key=lambda x: x[0], reverse=True)
 
     def read_manifest(self, folder: RemotePath) -> dict:
-        got = self.store.get((folder / storage.MANIFEST).key)
+        got = folder.store.get((folder / storage.MANIFEST).key)  # the folder's own bucket (checkpoint.resume may name another)
         if got is None:
             raise CheckpointError(f"{folder / storage.MANIFEST}: missing")
         try:
@@ -82,7 +82,7 @@ class RemoteStore:
         """The manifest of `folder` once every file it lists is in the store at its listed size (no byte read yet)."""
         body = self.read_manifest(folder)
         where = self.files(folder, body)
-        listing = self._listing if any(k.startswith(f"{where.key}/") for k in self._listing) else self.store.list(f"{where.key}/")
+        listing = self._listing if any(k.startswith(f"{where.key}/") for k in self._listing) else where.store.list(f"{where.key}/")
         for name, entry in body["files"].items():
             size = listing.get(f"{where.key}/{name}")
             if size is None:

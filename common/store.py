@@ -229,14 +229,15 @@ class Store:
 
     # ------------------------------------------------------------------ objects
     def check(self) -> None:
-        """The bucket is there and the credentials work (one HEAD), and the store enforces conditional
-        writes (a probe: created twice create-only, replaced with a wrong etag; both must be refused):
-        a store that ignores them is refused by name, not trusted."""
+        """The bucket is there and the credentials work (one HEAD); StoreRefused naming the endpoint otherwise."""
         self.call("check", "", self.client.head_bucket, Bucket=self.bucket)
 
     def probe_conditional_writes(self, prefix: str) -> None:
+        """The store enforces conditional writes: a probe object under `prefix` created, then created
+        again create-only and replaced with a wrong etag, both of which must be refused (then deleted).
+        A store that ignores them is refused by name (StoreRefused), not trusted."""
         key = f"{prefix}/.probe-{os.getpid()}-{random.getrandbits(32):08x}".lstrip("/")
-        etag = self.put(key, b"probe", create=True)
+        self.put(key, b"probe", create=True)
         try:
             for how, kwargs in (("If-None-Match: *", {"create": True}), ("If-Match", {"if_match": '"0123456789abcdef0123456789abcdef"'})):
                 try:
@@ -247,7 +248,6 @@ class Store:
                                    f"writes and strong consistency (AWS S3, SeaweedFS, MinIO; docs/object_storage.md); refused")
         finally:
             self.delete(key)
-        del etag
 
     def put(self, key: str, data: bytes, create: bool = False, if_match: str | None = None, sha256: str | None = None) -> str:
         """Write the object `key`; `create`: only if none is there (If-None-Match: *); `if_match`: only

@@ -1778,6 +1778,9 @@ def fresh_node_rows(work: Path, server) -> list[dict]:
     the launch to the first step's metrics line, and the bytes fetched against the step folder's."""
     import seaweed
 
+    from checkpoint.remote import RemoteStore
+    from common.store import RemotePath
+
     tok = vocab_6400(work)
     args = [sys.executable, "train.py", *SMALL, f"data.tokenizer={tok}", "model.seq_len=64", "train.global_batch=2",
             "train.micro_batch=1", "log.progress=false", "checkpoint.interval=0"]

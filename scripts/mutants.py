@@ -386,7 +386,7 @@ MUTANTS = (
            ("tests/test_checkpoint_format.py::test_every_tensor_is_written_raw_at_the_offset_its_metadata_records_and_reads_back_bit_for_bit",)),
     Mutant("resume-other-files-unverified", "a resumed checkpoint is whole: the files DCP does not read (fp16 weights, tokenizer) verified too (I13)",
            "checkpoint/manager.py",
-           '        others = _hasher.submit(self.store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \\\n'
+           '        others = _hasher.submit(store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \\\n'
            "            if self.comm.is_main else None\n",
            "        others = None\n",
            ("tests/test_checkpoint_manager.py::test_a_resume_verifies_every_file_the_manifest_lists_not_only_the_states_it_reads",)),

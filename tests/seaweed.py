@@ -52,7 +52,8 @@ class Seaweed:
     def env(self) -> dict[str, str]:
         """What a client needs: the standard AWS variables, pointed at this server."""
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                "AWS_REGION": "us-east-1", "MINIMIND_S3_ATTEMPTS": os.environ.get("MINIMIND_S3_ATTEMPTS", "4")}
+                "AWS_REGION": "us-east-1", "MINIMIND_S3_ATTEMPTS": os.environ.get("MINIMIND_S3_ATTEMPTS", "4"),
+                "MINIMIND_LEASE_TTL_S": "4"}  # a killed run's lease is taken over after seconds, not the default 30
 
     def start(self, timeout: float = 60) -> Seaweed:
         binary = weed()

@@ -255,3 +255,19 @@ def test_two_nodes_without_a_shared_filesystem_save_fsdp_shards_each_to_the_stor
     got = subprocess.run([sys.executable, "-m", "checkpoint", "compare", url, str(tmp_path / "ref")], cwd=launch.ROOT,
                          capture_output=True, text=True, env={**os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
     assert got.returncode == 0, got.stdout + got.stderr
+
+
+@pytest.mark.unit
+def test_checkpoint_resume_names_a_step_folder_in_the_store_or_on_a_disk_whatever_out_dir_is(url, tmp_path):
+    a = manager(url)
+    a.load(states())
+    save(a, 1, 10)
+    st = states()
+    b = CheckpointManager(CheckpointConfig(resume=f"{url}/checkpoints/step_00000001"), tmp_path / "local", OneProcess(), meta())
+    assert b.load(st).step == 1 and st["counter"].value == 10
+    local = CheckpointManager(CheckpointConfig(), tmp_path / "disk", OneProcess(), meta())
+    local.load(states())
+    local.save(2, states(2, 20), background=False)
+    st = states()
+    c = CheckpointManager(CheckpointConfig(resume=str(tmp_path / "disk" / "checkpoints" / "step_00000002")), f"{url}-other", OneProcess(), meta())
+    assert c.load(st).step == 2 and st["counter"].value == 20
