@@ -63,11 +63,16 @@ class OptimizerState:
         self._names: tuple | bool | None = None  # (the groups' parameters by id, their names) while they agree; False: DCP's
 
     def state_dict(self) -> dict:
-        # An optimizer without state (a save before its first step) gets it made by DCP: one step with
-        # zero gradients and a zero learning rate, which leaves every weight as it was. A load makes
-        # its target with load_target instead.
+        # An Adam without state (a save before its first step: a stop inside the GRPO family's first
+        # rollout publishes step 0) is saved as it stands, unstepped: its state made as Adam's first
+        # step makes it before the update (step 0, both moments zero), which that step then takes
+        # from where a fresh Adam would. DCP's own way, a step with zero gradients, counts a step:
+        # the resumed run's first update would be Adam's second (its bias corrections), not its first.
+        # Any other optimizer without state gets DCP's way. A load makes its target with load_target.
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        if not self.optimizer.state and isinstance(self.optimizer, torch.optim.Adam):
+            _fresh_adam_state(self.optimizer, torch.zeros_like)
         ids = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
         if self.optimizer.state and self._names and self._names[0] == ids:
             return _by_name(self.optimizer.state_dict(), self._names[1])
@@ -88,26 +93,33 @@ class OptimizerState:
         one with state, is DCP's way."""
         opt = self.optimizer
         if not opt.state and isinstance(opt, torch.optim.Adam):  # AdamW is an Adam
-            from torch.optim.optimizer import _get_scalar_dtype
-
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if not p.requires_grad:
-                        continue
-                    on_device = group.get("capturable") or group.get("fused")
-                    step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device) if on_device
-                            else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
-                    state = {"step": step, "exp_avg": torch.empty_like(p, memory_format=torch.preserve_format),
-                             "exp_avg_sq": torch.empty_like(p, memory_format=torch.preserve_format)}
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
-                    opt.state[p] = state
+            _fresh_adam_state(opt, torch.empty_like)
         return self.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def _fresh_adam_state(opt: torch.optim.Adam, like) -> None:
+    """Every trained parameter's state made as `Adam._init_group` makes it before a first step (the same
+    entries, shapes, dtypes, devices and a step of 0), its moments `like(p)`: zeros (Adam's own, a save
+    of an unstepped optimizer) or left uninitialised (a load's target, which the load overwrites)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            on_device = group.get("capturable") or group.get("fused")
+            step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device) if on_device
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+            state = {"step": step, "exp_avg": like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = like(p, memory_format=torch.preserve_format)
+            opt.state[p] = state
 
 
 # DCP's get_model_state_dict and get_optimizer_state_dict walk the modules and map every name at

@@ -245,6 +245,26 @@ def test_a_fresh_adams_load_target_is_the_state_its_first_step_makes_without_the
     assert ("max_exp_avg_sq" in made["ours"]["weight"]) is amsgrad
 
 
+def test_an_optimizer_saved_before_its_first_step_resumes_to_take_that_step_as_a_fresh_one(tmp_path):
+    # A stop inside the GRPO family's first rollout publishes step 0, its optimizer never stepped
+    # (issue 59): the resumed run's first step must be Adam's first (its bias corrections), not its second.
+    x = torch.randn(5, 4)
+    model, opt = trained_pair(0, lr=0.1)
+    mgr = manager(tmp_path, interval=1, keep=5)
+    mgr.after_step(0, {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": Train()}, "stopped")
+    mgr.wait()
+    resumed, resumed_opt = trained_pair(1, lr=0.1)  # a fresh process: other weights until the load
+    st = {"model": ModelState(resumed), "optimizer": OptimizerState(resumed, resumed_opt), "train": Train()}
+    assert manager(tmp_path).load(st).step == 0
+    assert [float(s["step"]) for s in resumed_opt.state.values()] == [0.0, 0.0]
+    fresh, fresh_opt = trained_pair(0, lr=0.1)  # the uninterrupted run's first step
+    for m, o in ((resumed, resumed_opt), (model, opt), (fresh, fresh_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    for m in (resumed, model):  # the resumed process and the one that saved and went on
+        assert torch.equal(m.weight, fresh.weight) and torch.equal(m.bias, fresh.bias)
+
+
 def test_a_fallback_after_a_damaged_load_restores_the_previous_optimizer_state_exactly(tmp_path):
     # The load target is left uninitialised; a load cut short by a damaged file fills part of it, and
     # the previous checkpoint's load must overwrite every byte.
