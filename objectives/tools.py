@@ -1,5 +1,6 @@
 """Tools for agentic reinforcement learning (docs/rl.md, train.agent): MiniMind's six mock tools as
-pure functions of their arguments (trainer/train_agent.py MOCK_RESULTS, the same outputs), a user's
+pure functions of their arguments (trainer/train_agent.py MOCK_RESULTS, the same outputs; its calculator's
+`eval` replaced by a bounded arithmetic evaluator), a user's
 `module:function` per tool pinned by its file's sha256 as the rewards are, tool-call parsing and
 MiniMind's agent reward.
 
@@ -11,8 +12,10 @@ depends on the clock could not be reproduced on resume.
 """
 from __future__ import annotations
 
+import ast
 import json
 import math
+import operator
 import re
 from typing import Callable
 
@@ -33,10 +36,61 @@ TRANSLATE_DATA = {("你好世界", "english"): "Hello World", ("Good morning", "
 UNIT_DATA = {"km_miles": 0.621371, "miles_km": 1.60934, "kg_pounds": 2.20462, "pounds_kg": 0.453592, "meters_feet": 3.28084, "feet_meters": 0.3048, "celsius_fahrenheit": 1.8, "fahrenheit_celsius": 0.5556}
 
 
+MAX_INT_BITS = 14_286
+"""The largest integer calculate_math computes, in bits: 4,300 decimal digits, the most Python prints (its int max str digits)."""
+MAX_FACTORIAL = 1_000
+"""The largest argument of math.factorial, math.comb and math.perm calculate_math takes (1000! has 2,568 digits)."""
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MATH = {name: getattr(math, name) for name in dir(math) if not name.startswith("_")}
+
+
+def arithmetic(expr: str):
+    """The value of `expr`, an arithmetic expression: int and float numbers, `+ - * / // % **`, unary signs,
+    parentheses, `math`'s functions (positional arguments) and constants (`math.sqrt(2)`, `math.pi`), as
+    Python computes them. Anything else (a name, an attribute of anything but `math`, a string, a subscript,
+    a comparison...) raises ValueError; so does a power, a factorial or any result past MAX_INT_BITS, before
+    it is computed: every step is bounded, whatever the text."""
+    return _value(ast.parse(expr.strip(), mode="eval").body)
+
+
+def _value(node):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _number(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _SIGNS:
+        return _SIGNS[type(node.op)](_value(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 \
+                and right * (abs(left).bit_length() - 1) > MAX_INT_BITS:
+            raise ValueError("the power's result is too large")
+        return _number(_OPERATORS[type(node.op)](left, right))
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH \
+            and isinstance(_MATH[node.attr], (int, float)):
+        return _MATH[node.attr]
+    if isinstance(node, ast.Call) and not node.keywords and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id == "math" and callable(_MATH.get(node.func.attr)):
+        args = [_value(a) for a in node.args]
+        if node.func.attr in ("factorial", "comb", "perm") and any(isinstance(a, int) and abs(a) > MAX_FACTORIAL for a in args):
+            raise ValueError(f"math.{node.func.attr}'s argument is too large")
+        return _number(_MATH[node.func.attr](*args))
+    raise ValueError(f"not arithmetic: {type(node).__name__}")
+
+
+def _number(value):
+    if type(value) not in (int, float):
+        raise ValueError(f"not a number: {type(value).__name__}")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ValueError("the result is too large")
+    return value
+
+
 def calculate_math(args: dict):
-    """The expression evaluated with no builtins but `math` (^ as **, full-width signs as ASCII)."""
+    """MiniMind's calculator (its `eval` with `math`, ^ as **, full-width signs as ASCII) through `arithmetic`:
+    the same result for arithmetic, MiniMind's error (it raises) for anything else or too large."""
     expr = str(args.get("expression", "0")).replace("^", "**").replace("×", "*").replace("÷", "/").replace("−", "-")
-    return {"result": str(eval(expr.replace("（", "(").replace("）", ")"), {"__builtins__": {}, "math": math}))}  # noqa: S307 - MiniMind's tool
+    return {"result": str(arithmetic(expr.replace("（", "(").replace("）", ")")))}
 
 
 def unit_converter(args: dict):

@@ -147,6 +147,26 @@ def test_the_six_mock_tools_answer_as_minimind_s_and_a_raising_or_unknown_tool_r
     assert 3 <= errors < len(calls) - 8
 
 
+@pytest.mark.unit
+def test_calculate_math_evaluates_arithmetic_as_python_does_and_gives_minimind_s_error_for_anything_else_or_too_large():
+    """Its text is the model's: `eval` with empty builtins reached every class in the process and
+    `7^10^7` ran past the tool's timeout on every relaunch (issue 59). Bounded arithmetic answers at once."""
+    import math
+
+    from objectives.tools import ERROR, Toolbox
+
+    box = Toolbox(["calculate_math"], 5.0)  # an unbounded evaluation fails the test at this timeout (Failed)
+    for expr in ("27 + 82", "2^10 + (3×4) − 1", "-2**2", "2**-1", "7 // 2 % 3", "1e308 * 10", "math.sqrt(16) + math.pi",
+                 "math.factorial(20)", "math.log(8, 2)", "0.1 + 0.2", "(2**100) * -3", "（1+2）÷4"):
+        python = expr.replace("^", "**").replace("×", "*").replace("÷", "/").replace("−", "-").replace("（", "(").replace("）", ")")
+        want = json.dumps({"result": str(eval(python, {"__builtins__": {}, "math": math}))})  # noqa: S307 - trusted text
+        assert box.run({"name": "calculate_math", "arguments": {"expression": expr}}) == (want, True), expr
+    for expr in ("().__class__.__base__.__subclasses__()", "7^10^7", "10**10**10", "2**(10**100)", "math.factorial(10**6)",
+                 "(2**14000) * (2**14000)", "__import__('os').system('true')", "math.__dict__", "[1] * 3", "'a' * 3", "1 < 2",
+                 "abc", "1j", "True", "math.sqrt(x=1)", "lambda: 1", "1/0", "(" * 300 + "1" + ")" * 300, "-" * 100000 + "1"):
+        assert box.run({"name": "calculate_math", "arguments": {"expression": expr}}) == (ERROR, False), expr[:60]
+
+
 TOOL_MODULE = '''
 def double(args):
     return {"value": 2 * args["x"]}
