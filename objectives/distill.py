@@ -21,9 +21,10 @@ in micro-batch order: the same bits on any world size.
 The teacher's logits are a function of the row alone: computed one row at a time (a batch of one,
 under the step's autocast, with the packed rows' positions and block-diagonal mask) live under
 `torch.inference_mode()` (no graph kept), or with `top_k` > 0 once before training into a table
-beside the packed rows (as DPO's reference table: each rank its share of the rows the run reads,
-gathered, written by each node's first rank; named by the rows' fingerprint, the teacher's identity,
-the autocast and k; stale tables removed). The table holds each taught position's k largest logits
+beside the packed rows (as DPO's reference table, objectives/tables.py: each rank its share of the
+rows the run reads, in chunks, each published as it is done by each node's first rank and verified
+on every read; named by the rows' fingerprint, the teacher's identity, the autocast and k; stale
+tables removed). The table holds each taught position's k largest logits
 and their ids; the KL then runs over a teacher whose other logits are -inf (its top k renormalized:
 an approximation), through the same arithmetic as the live teacher's, so that top_k = the
 vocabulary size gives the live teacher's bits.
@@ -31,24 +32,20 @@ vocabulary size gives the live teacher's bits.
 from __future__ import annotations
 
 import logging
-import time
-import zipfile
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.files import atomic_file
 from common.outcome import BadInput, attempt
 from data.chat import IGNORE
 from model.config import ModelConfig
 from runtime import autocast as runtime_autocast
 from weights import architecture_of
 
-from .dpo import _stale, _table_path, rows_read
+from . import tables
 from .reference import pinned_reference, run_tokenizer, source_tokenizer, vocabulary
 
 log = logging.getLogger("minimind")
@@ -133,29 +130,8 @@ class TopK:
         return cls(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros((0, k), np.float32), np.zeros((0, k), ids))
 
     @classmethod
-    def read(cls, path: Path, k: int, vocab: int) -> "TopK":
-        """The table at `path`, or an empty one when it is absent or not one (a torn or foreign file is computed again)."""
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                table = cls(*(f[name] for name in ("rows", "offsets", "logits", "ids")))
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-            return cls.empty(k, vocab)
-        if table.logits.shape[1:] != (k,) or len(table.offsets) != len(table.rows) + 1 or table.offsets[-1] != len(table.logits):
-            return cls.empty(k, vocab)
-        return table
-
-    def merged(self, new: dict[int, tuple[np.ndarray, np.ndarray]]) -> "TopK":
-        parts = {int(r): (self.logits[self.offsets[j]:self.offsets[j + 1]], self.ids[self.offsets[j]:self.offsets[j + 1]])
-                 for j, r in enumerate(self.rows)} | new
-        rows = np.asarray(sorted(parts), dtype=np.int64)
-        counts = np.asarray([len(parts[r][0]) for r in rows.tolist()], dtype=np.int64)
-        k = self.logits.shape[1]
-        logits = np.concatenate([parts[r][0] for r in rows.tolist()]) if len(rows) else np.zeros((0, k), np.float32)
-        ids = np.concatenate([parts[r][1] for r in rows.tolist()]).astype(self.ids.dtype) if len(rows) else self.ids
-        return TopK(rows, np.concatenate([[0], np.cumsum(counts)]), logits.astype(np.float32), ids)
-
-    def write(self, f) -> None:
-        np.savez(f, rows=self.rows, offsets=self.offsets, logits=self.logits, ids=self.ids)
+    def of(cls, table: tables.Table) -> "TopK":
+        return cls(table.rows, table.offsets, table.fields["logits"], table.fields["ids"])
 
     def teacher(self, rows: list[int], vocab: int, device) -> torch.Tensor:
         """(taught positions of `rows`, vocab): the stored logits at their ids, -inf elsewhere."""
@@ -264,8 +240,8 @@ class Distill:
         if not self.cfg.top_k:
             self.teacher = teacher
         else:
-            table = _table_path(self.dataset, meta.data_fingerprint, sha, f"K{self.cfg.top_k}", self.autocast, kind="teacher", suffix=".npz")
-            needed = rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
+            table = tables.table_files(self.dataset, meta.data_fingerprint, sha, f"K{self.cfg.top_k}", self.autocast, "teacher")
+            needed = tables.rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
             writer = rt.rank == 0 or (not cfg.data.shared_cache and rt.local_rank == 0)
             self.table = self._precomputed(teacher, rt, table, needed, writer, agree)
         if rt.is_main:
@@ -302,46 +278,24 @@ class Distill:
 
         return check
 
-    def _precomputed(self, teacher, rt, path: Path, needed: np.ndarray, writer: bool, agree) -> TopK:
-        """The top k of every row in `needed`: read from the table beside the rows where it holds
-        them, else the missing ones computed once, each rank its share (row j of them on rank j mod
-        W), gathered, merged and written for the next launch by each node's first rank (rank 0 alone
-        with a shared cache). The teacher is not kept: training runs one model."""
+    def _precomputed(self, teacher, rt, table: tables.TableFiles, needed: np.ndarray, writer: bool, agree) -> TopK:
+        """The top k of every row in `needed`: the verified chunks of the table read, the missing rows
+        computed in chunks, each rank its share, each chunk published as it is done by each node's first
+        rank (rank 0 alone with a shared cache): objectives/tables.py. The teacher is not kept:
+        training runs one model."""
         k = self.cfg.top_k
-        have = TopK.read(path, k, self.vocab) if path.exists() else TopK.empty(k, self.vocab)
-        missing = sorted(set().union(*rt.all_gather([int(r) for r in needed if int(r) not in have.slot])))
-        if not missing:
-            return have
         total = self.dataset.start + len(self.dataset)
         rows = type(self.dataset)(self.dataset.bin_path, self.dataset.seq_len, total, dtype=self.dataset.dtype.name)
         strategy, dtype = self.autocast
         autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)
-        mine: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        empty = TopK.empty(k, self.vocab)
 
-        def compute() -> None:
-            t0 = last = time.monotonic()
-            for r in missing[rt.rank::rt.world_size]:
-                row = [t.unsqueeze(0).to(rt.device) for t in rows[r]]
-                with autocast, torch.inference_mode():
-                    z = teacher_logits(teacher, row[0], row[2] if self.chat else None, row[1] != IGNORE, self.vocab)
-                values, ids = torch.topk(z, k, dim=-1)
-                mine[r] = (values.cpu().numpy(), ids.cpu().numpy().astype(have.ids.dtype))
-                if rt.is_main and time.monotonic() - last > 10:
-                    last = time.monotonic()
-                    log.info("train.distill: the teacher's top %d, %d of %d rows (%.0f rows/s over %d rank(s))", k,
-                             len(mine) * rt.world_size, len(missing), len(mine) * rt.world_size / (last - t0), rt.world_size)
+        def compute(r: int) -> dict[str, np.ndarray]:
+            row = [t.unsqueeze(0).to(rt.device) for t in rows[r]]
+            with autocast, torch.inference_mode():
+                z = teacher_logits(teacher, row[0], row[2] if self.chat else None, row[1] != IGNORE, self.vocab)
+            values, ids = torch.topk(z, k, dim=-1)
+            return {"logits": values.cpu().numpy().astype(np.float32), "ids": ids.cpu().numpy().astype(empty.ids.dtype)}
 
-        agree("train.distill.top_k", attempt(compute))
-        new: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for part in rt.all_gather(mine):
-            new.update(part)
-        have = have.merged(new)
-
-        def write() -> None:
-            for old in _stale(path, kind="teacher"):
-                old.unlink(missing_ok=True)
-            with atomic_file(path, "wb") as f:
-                have.write(f)
-
-        agree("train.distill.top_k", attempt(write) if writer else None)
-        return have
+        return TopK.of(tables.precompute(table, needed, compute, {"logits": empty.logits, "ids": empty.ids}, rt, writer, agree,
+                                         "train.distill.top_k", ".teacher-"))

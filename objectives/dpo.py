@@ -14,31 +14,26 @@ rank: the same bits on any world size.
 The reference's log-probabilities are a function of the row alone: computed one row at a time
 (a batch of one), live (`train.dpo.precompute=false`: a frozen copy beside the policy, eval mode)
 or once before training (`precompute`: every rank its share of the rows the run reads, gathered,
-and kept in a file beside the packed rows named by the rows' fingerprint, the reference's identity
-and the autocast): the same bits either way, for the same threads and train.dtype.
+and kept in a table beside the packed rows named by the rows' fingerprint, the reference's identity
+and the autocast, built in chunks and verified on every read: objectives/tables.py): the same bits
+either way, for the same threads and train.dtype.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.files import atomic_file
-from common.outcome import attempt
 from data.chat import IGNORE
 from data.dataset import PreferenceDataset
-from data.sampler import make_order
 from runtime import autocast as runtime_autocast
 
+from . import tables
 from .reference import pinned_reference
 
 log = logging.getLogger("minimind")
@@ -148,8 +143,8 @@ class DPO:
         if not self.cfg.precompute:
             self.reference = reference
         else:
-            table = _table_path(self.dataset, meta.data_fingerprint, sha, f"S{self.segments}", self.autocast)
-            needed = rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
+            table = tables.table_files(self.dataset, meta.data_fingerprint, sha, f"S{self.segments}", self.autocast, "ref")
+            needed = tables.rows_read(len(self.dataset), cfg.train.global_batch, cfg.seed, cfg.data.order, cfg.train.steps) + self.dataset.start
             writer = rt.rank == 0 or (not cfg.data.shared_cache and rt.local_rank == 0)
             self.table = _precomputed(self, reference, rt, table, needed, writer, agree)
         if rt.is_main:
@@ -159,75 +154,24 @@ class DPO:
                      else "live beside the policy")
 
 
-def rows_read(num_samples: int, global_batch: int, seed: int, order: str, steps: int) -> np.ndarray:
-    """The sorted indices of every row steps [0, steps) read (each epoch's order, docs/design.md I1):
-    what a precomputed table must hold, the resume's remainder included."""
-    per_epoch = num_samples // global_batch
-    seen: list[np.ndarray] = []
-    for epoch in range(-(-steps // per_epoch) if per_epoch else 0):
-        n = min(steps - epoch * per_epoch, per_epoch) * global_batch
-        seen.append(np.asarray(make_order(order, num_samples, seed, epoch).take(0, n), dtype=np.int64))
-    return np.unique(np.concatenate(seen)) if seen else np.zeros(0, dtype=np.int64)
-
-
-def _table_path(dataset, fingerprint: dict, sha: str, shape: str, autocast: tuple[str, str], kind: str = "ref",
-                suffix: str = ".npy") -> Path:
-    """Beside the packed rows, named by what its figures are a function of: the packed rows' own
-    fingerprint (the corpus's bytes, the tokenizer, the packing), the frozen model's identity, the
-    autocast it ran under and the table's `shape` (DPO's sides, distillation's top-k); `kind`: whose
-    table ("ref": DPO's reference, "teacher": distillation's, objectives/distill.py)."""
-    rows = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    stem = Path(dataset.bin_path).stem
-    return Path(dataset.bin_path).with_name(f"{stem}.{kind}-{rows}-{sha[:16]}-{'-'.join(autocast)}-{shape}-N{dataset.start + len(dataset)}"
-                                            f"{suffix}")
-
-
-def _stale(table: Path, kind: str = "ref") -> list[Path]:
-    """Tables of the same kind beside the same packed rows for other rows (a repacked corpus): they can never be read again."""
-    mark = f".{kind}-"
-    stem, rows = table.name.split(mark)[0], table.name.split(mark)[1].split("-")[0]
-    return [p for p in table.parent.glob(f"{stem}{mark}*{table.suffix}") if p.name.split(mark)[1].split("-")[0] != rows]
-
-
-def _precomputed(dpo: DPO, reference, rt, table: Path, needed: np.ndarray, writer: bool, agree) -> np.ndarray:
-    """The reference sums of every row in `needed`: read from the file beside the rows where it holds
-    them all (a row not yet computed is NaN there), else the missing ones computed once, each rank
-    its share (row k of them on rank k mod W), gathered, merged and written for the next launch by
-    each node's first rank (rank 0 alone with a shared cache)."""
+def _precomputed(dpo: DPO, reference, rt, table: tables.TableFiles, needed: np.ndarray, writer: bool, agree) -> np.ndarray:
+    """The reference sums of every row in `needed` (a row not computed is NaN): the verified chunks
+    of the table read, the missing rows computed in chunks, each rank its share, each chunk published
+    as it is done by each node's first rank (rank 0 alone with a shared cache): objectives/tables.py."""
     total = dpo.dataset.start + len(dpo.dataset)
-    have = np.load(table, allow_pickle=False) if table.exists() else np.full((total, dpo.segments), np.nan, dtype=np.float32)
-    if have.shape != (total, dpo.segments):
-        have = np.full((total, dpo.segments), np.nan, dtype=np.float32)
-    missing = sorted(set().union(*rt.all_gather([int(k) for k in needed if np.isnan(have[k]).any()])))
-    if not missing:
-        return have
     rows = PreferenceDataset(dpo.dataset.bin_path, dpo.dataset.seq_len, total, dtype=dpo.dataset.dtype.name)
     strategy, dtype = dpo.autocast
     autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)
-    mine: dict[int, np.ndarray] = {}
 
-    def compute() -> None:
-        t0 = last = time.monotonic()
-        for k in missing[rt.rank::rt.world_size]:
-            with autocast:
-                mine[k] = reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, dpo.segments)[0].cpu().numpy()
-            if rt.is_main and time.monotonic() - last > 10:
-                last = time.monotonic()
-                log.info("train.dpo: the reference's log-probabilities, %d of %d rows (%.0f rows/s over %d rank(s))",
-                         len(mine) * rt.world_size, len(missing), len(mine) * rt.world_size / (last - t0), rt.world_size)
+    def compute(k: int) -> dict[str, np.ndarray]:
+        with autocast:
+            return {"logps": reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, dpo.segments).cpu().numpy()}
 
-    agree("train.dpo.precompute", attempt(compute))
-    for part in rt.all_gather(mine):
-        for k, v in part.items():
-            have[k] = v
-
-    def write() -> None:
-        for old in _stale(table):
-            old.unlink(missing_ok=True)
-        with atomic_file(table, "wb") as f:
-            np.save(f, have, allow_pickle=False)
-
-    agree("train.dpo.precompute", attempt(write) if writer else None)
+    empty = {"logps": np.zeros((0, dpo.segments), np.float32)}
+    got = tables.precompute(table, needed, compute, empty, rt, writer, agree, "train.dpo.precompute", ".ref-")
+    have = np.full((total, dpo.segments), np.nan, dtype=np.float32)
+    keep = got.rows < total
+    have[got.rows[keep]] = got.fields["logps"][keep]
     return have
 
 

@@ -1632,7 +1632,9 @@ def distill_rows(work: Path, steps: int) -> list[dict]:
     student alone, and their peak RSS; the teacher's top 32 precomputed against the live teacher;
     the table's bytes per taught position; under fsdp the teacher's bytes per rank (it is
     replicated) against the student's shard."""
-    from objectives.distill import TopK
+    import numpy as np
+
+    from objectives.tables import TableFiles, read_verified
 
     base = ["--config", "configs/tiny.yaml", "data.path=stdlib-chat", "data.format=chat", "model.seq_len=256", "train.global_batch=16",
             "train.micro_batch=4", f"train.steps={steps}", "checkpoint.interval=0", "log.progress=false",
@@ -1645,8 +1647,10 @@ def distill_rows(work: Path, steps: int) -> list[dict]:
         out = work / f"distill-{name}"
         rss[name], _ = run_rss([*base, *extra, f"out_dir={out}"], work)
         t[name] = step_median(out, 2)
-    (table,) = (work / "distill-cache").rglob("*.teacher-*-K32-*.npz")
-    positions = int(TopK.read(table, 32, 259).offsets[-1])
+    (table,) = (p for p in (work / "distill-cache").rglob("*.teacher-*-K32-*") if p.is_dir())
+    empty = {"logits": np.zeros((0, 32), np.float32), "ids": np.zeros((0, 32), np.uint16)}
+    positions = sum(len(item["ids"]) for item in read_verified(TableFiles(table), empty, str(table))[0].values())
+    size = sum(p.stat().st_size for p in table.iterdir())
     teacher, student = (load_config(ROOT / "configs" / "tiny.yaml", [*base[2:], *w]).model for w in (wide, []))
     tb, sb = (MiniMindLM(c).num_parameters() * 4 for c in (teacher, student))
     return [{"row": "distillation, tiny shape at seq_len 256, batch 16 chat rows, 1 process, a live teacher of 2x width (dim 256)",
@@ -1657,8 +1661,8 @@ def distill_rows(work: Path, steps: int) -> list[dict]:
             {"row": "distillation, the teacher's top 32 precomputed before training", "what": "distill, top-32 precomputed / live teacher, step time",
              "value": t["top32"] / t["live"], "aim": "distill, top-32 precomputed / live teacher, step time",
              "detail": f"{t['top32'] * 1e3:.0f} ms / {t['live'] * 1e3:.0f} ms"},
-            {"row": "distillation's top-32 table", "what": "bytes per taught position", "value": table.stat().st_size / positions,
-             "detail": f"{table.stat().st_size / 2**20:.2f} MiB for {positions:,} taught positions (32 fp32 logits + 32 uint16 ids each)"},
+            {"row": "distillation's top-32 table", "what": "bytes per taught position", "value": size / positions,
+             "detail": f"{size / 2**20:.2f} MiB for {positions:,} taught positions (32 fp32 logits + 32 uint16 ids each)"},
             {"row": "distillation under fsdp, 2 processes (from the parameter counts)", "what": "teacher bytes per rank / student's shard",
              "value": tb / (sb / 2), "detail": f"{tb / 2**20:.2f} MiB (replicated: every rank holds the whole fp32 teacher) / "
                                                 f"{sb / 2 / 2**20:.2f} MiB (half the student's fp32 parameters)"}]

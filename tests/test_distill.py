@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import launch
+from objectives.distill import TopK
+from objectives.tables import Table, TableFiles, read_verified
 from run.metrics import TIMING
 from test_models import needs_upstream
 
@@ -95,11 +97,13 @@ def test_top_k_equal_to_the_vocabulary_size_gives_the_live_teachers_bits_from_a_
     eight = figures(tmp_path / "eight")
     assert eight[0]["loss"] != figures(made / "one")[0]["loss"]  # an approximation: another run
     sha = launch.sha_at(made / "teacher", 3)
-    tables = sorted(p.name for p in (made / "cache").rglob("*.teacher-*.npz"))
+    tables = sorted(p.name for p in (made / "cache").rglob("*.teacher-*") if p.is_dir())
     assert [t.split(f"{sha[:16]}-ddp-float32-")[1].split("-")[0] for t in tables] == ["K259", "K8"], tables
-    with np.load(next((made / "cache").rglob("*-K8-*.npz"))) as table:
-        assert table["logits"].shape[1] == 8 and table["ids"].dtype == np.uint16  # 48 bytes a taught position
-        assert 6 <= len(table["rows"]) <= 6 * 4  # the rows the run's 4 steps read, no more
+    folder = next(p for p in (made / "cache").rglob("*-K8-*") if p.is_dir())
+    table = TopK.of(Table.of(read_verified(TableFiles(folder), {"logits": np.zeros((0, 8), np.float32), "ids": np.zeros((0, 8), np.uint16)},
+                                           "the K8 table")[0], {"logits": np.zeros((0, 8), np.float32), "ids": np.zeros((0, 8), np.uint16)}))
+    assert table.logits.shape[1] == 8 and table.ids.dtype == np.uint16  # 48 bytes a taught position
+    assert 6 <= len(table.rows) <= 6 * 4  # the rows the run's 4 steps read, no more
 
 
 @pytest.mark.e2e
@@ -112,7 +116,7 @@ def test_an_edited_text_corpus_of_the_same_size_gets_a_new_teacher_table_and_the
     assert len(swapped) == len(text) and swapped != text
     args = [f"data.cache_dir={tmp_path / 'cache'}", *COMMON, *STUDENT, "model.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
             "train.steps=2", "train.objective=distill", f"train.distill.teacher={made / 'teacher'}", "train.distill.top_k=259"]
-    tables = lambda: sorted(p.name for p in (tmp_path / "cache").rglob("*.teacher-*.npz"))  # noqa: E731
+    tables = lambda: sorted(p.name for p in (tmp_path / "cache").rglob("*.teacher-*") if p.is_dir())  # noqa: E731
     edited.write_text(text)
     assert launch.in_process(f"data.path={edited}", *args, f"out_dir={tmp_path / 'a'}")[0] == 0
     first = tables()
@@ -460,3 +464,22 @@ def test_plot_draws_the_distillation_figures_given_as_keys_and_refuses_one_the_r
     assert code == 0 and (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
     code, _, err = cli("plot", run, "--out", tmp_path / "d.png", "--keys", "rewards/margins")
     assert code == 2 and "--keys rewards/margins: " in err and "logs no numeric 'rewards/margins'" in err and not (tmp_path / "d.png").exists()
+
+
+@pytest.mark.e2e
+def test_a_damaged_chunk_of_the_teacher_table_is_named_computed_again_and_the_run_is_the_undamaged_ones(made, tmp_path):
+    args = [f"data.path={made / 'chats.jsonl'}", "data.format=chat", f"data.cache_dir={tmp_path / 'cache'}", *COMMON, *STUDENT,
+            "train.steps=2", "train.objective=distill", f"train.distill.teacher={made / 'teacher'}", "train.distill.top_k=8"]
+    assert launch.in_process(*args, f"out_dir={tmp_path / 'a'}")[0] == 0
+    folder = next(p for p in (tmp_path / "cache").rglob("*.teacher-*") if p.is_dir())
+    want = {p.name: p.read_bytes() for p in folder.iterdir()}
+    chunk = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors")[0]
+    data = bytearray(chunk.read_bytes())
+    data[-5] ^= 0x04  # one bit of a stored logit or id: the file still parses
+    chunk.write_bytes(bytes(data))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'b'}")
+    assert code == 0, err[-3000:]
+    assert f"train.distill.top_k: {folder}/{chunk.name} is damaged (its sha256" in err and "its rows are computed again" in err, err[-3000:]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == want
+    assert figures(tmp_path / "b") == figures(tmp_path / "a")
+    assert launch.inspect(tmp_path / "b")["model_sha256"] == launch.inspect(tmp_path / "a")["model_sha256"]
