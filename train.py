@@ -194,8 +194,7 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
 
 
 def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batches: list, epoch: int, s: int) -> float:
-    """Forward/backward over this rank's micro-batches, reduce, clip, optimizer step. Returns the
-    step's loss over the global batch (the objective's: objectives/next_token.py)."""
+    """Forward/backward over this rank's micro-batches, reduce, clip, optimizer step; the step's global-batch loss."""
     # Under fsdp the precision is FSDP's mixed-precision policy (runtime/sharding.py), not autocast.
     autocast = contextlib.nullcontext() if run.sharded else runtime.autocast(rt.device, cfg.train.dtype)
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
@@ -209,14 +208,15 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
                 loss = run.objective.loss(reducer.net, batch, rt.device, i)
             reducer.backward(loss, j, scaler.scale if scaler else None)
     loss = reducer.reduce()
-    if scaler:
+    skip = getattr(run.objective, "skip_update", False)  # PPO after its early stop steps no optimizer (MiniMind's)
+    if scaler and not skip:
         scaler.unscale_(run.opt)
-    if cfg.train.grad_clip:
+    if cfg.train.grad_clip and not skip:
         reducer.clip(cfg.train.grad_clip)
-    if scaler:
+    if scaler and not skip:
         scaler.step(run.opt)
         scaler.update()
-    else:
+    elif not skip:
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     return loss

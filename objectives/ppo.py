@@ -10,8 +10,10 @@ clipped value loss times vf_coef for the critic (its own AdamW and LR schedule, 
 checkpoint), each a sum over a micro-batch's completion tokens divided by the global batch's count
 (MiniMind divides by each mini-batch's own). From a rollout's second update on, the approximate KL
 0.5 * (logp - old)^2 of the policy as it stands, over the global batch (summed in micro-batch
-order, a figure every world size computes alike), above early_stop_kl stops the rollout's updates:
-they and the rest of the rollout's train with a zero loss, as MiniMind's (the optimizers still step).
+order, a figure every world size computes alike), above early_stop_kl stops the rollout's updates
+as MiniMind's stops its `ppo_update_iters` loop: that update trains with a zero loss (MiniMind's
+`loss * 0.0`, the optimizers still step), and the rollout's later updates step no optimizer (MiniMind
+breaks out of the loop; here the steps are the loop's, so each still runs and logs, `skip_update` set).
 """
 from __future__ import annotations
 
@@ -164,6 +166,7 @@ class PPO(GRPO):
         self.critic_opt = make_optimizer(self.critic, train_cfg)
         self.critic_reducer = None
         self.stopped = False
+        self.skip_update = False  # this step steps no optimizer (train.py train_step): the early stop fired at an earlier update
 
     def start(self, cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes]) -> None:
         """GRPO's, then the critic: the policy's weights (model.init_from's) on a fresh run, the checkpoint's on a resume."""
@@ -179,6 +182,7 @@ class PPO(GRPO):
 
     def prepare(self, model, micro_batches: list, rt, agree, stop=None) -> str | None:
         rolled = self.rollout_at == self.step
+        self.skip_update = False
         out = super().prepare(model, micro_batches, rt, agree, stop)
         if out is not None:
             return out
@@ -209,6 +213,8 @@ class PPO(GRPO):
             for part in rt.all_gather(sums):
                 merged.update(part)
             self.stopped = sum(merged[i] for i in sorted(merged)) / self.denominator > self.ppo.early_stop_kl
+        else:  # stopped at an earlier update of this rollout: MiniMind's loop is left, no optimizer steps
+            self.skip_update = True
         return None
 
     def _rollout(self, model, batch, i: int, check: bool = False) -> None:
@@ -263,7 +269,8 @@ class PPO(GRPO):
                                                     min_lr_ratio=t.min_lr_ratio))
         for group in self.critic_opt.param_groups:
             group["lr"] = lr
-        self.critic_opt.step()
+        if not self.skip_update:
+            self.critic_opt.step()
         self.critic_opt.zero_grad(set_to_none=True)
         rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
         names = ("reward_sum", "sequences", "tokens", "policy", "kl_ref", "approx_kl", "clipfrac", "value")

@@ -171,6 +171,44 @@ def test_ppo_halted_inside_a_rollouts_updates_on_2_resumed_on_3_equals_the_1_pro
     assert len({r["value_loss"] for r in want}) > 1 and 0 < sum(r["early_stopped"] for r in want) < 3  # one rollout stopped early, not all
 
 
+def state_sha(out: Path, step: int, prefix: str) -> str:
+    """The sha256 of a checkpoint's tensors under `prefix` (the critic, the optimizers), name by name."""
+    import hashlib
+
+    from checkpoint import storage
+
+    folder = out / "checkpoints" / storage.step_dir_name(step)
+    tensors = storage.read_tensors(folder, storage.verify(folder), prefix=prefix)
+    assert tensors, f"no {prefix} tensors in {folder}"
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode() + tensors[k].double().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.e2e
+def test_after_the_early_stop_fires_the_rollouts_later_updates_step_no_optimizer_as_minimind_leaves_its_loop(task, tmp_path):
+    """MiniMind's train_ppo.py: the update whose approximate KL passes early_stop_kl trains with `loss * 0.0` and its
+    optimizers still step (momentum and weight decay move the weights); then `if stop_ppo: break` leaves the
+    ppo_update_iters loop: no later update steps either optimizer. Three updates a rollout (rollouts at steps 1 and 4):
+    a step after the one that stopped leaves the actor, the critic and both optimizers' states as they were."""
+    import launch
+
+    out = tmp_path / "run"
+    args = [a for a in ppo_args(task, tmp_path / "cache", out) if not a.startswith(("train.ppo.updates_per_rollout=", "checkpoint."))]
+    assert launch.in_process(*args, "train.ppo.updates_per_rollout=3", "checkpoint.interval=1", "checkpoint.keep=10")[0] == 0
+    stopped = [r["early_stopped"] for r in launch.metrics(out)]
+    states = {step: (launch.sha_at(out, step), *(state_sha(out, step, p) for p in ("critic.", "optimizer.", "critic_optimizer.")))
+              for step in range(1, 7)}
+    fired = [s for s in range(2, 7) if stopped[s - 1] and not stopped[s - 2] and s % 3 != 1]  # the KL passed at update 2 of a rollout
+    assert fired, stopped
+    for s in fired:
+        assert all(a != b for a, b in zip(states[s], states[s - 1]))  # the stopping update: loss * 0, the optimizers stepped
+        assert s % 3 == 2 and stopped[s] and states[s + 1] == states[s]  # update 3: no step at all
+    kept = [s for s in range(2, 7) if not stopped[s - 1] or s in fired]
+    assert kept and all(states[s][0] != states[s - 1][0] for s in kept)
+
+
 @pytest.mark.e2e
 def test_ppo_gamma_or_lam_outside_0_1_exits_2_naming_the_key(task, tmp_path):
     import launch
