@@ -64,7 +64,7 @@ def _old_manifest(folder: Path) -> dict | None:
 
 def _verified(folder: Path, body: dict) -> dict[str, bytes]:
     """Every file the old manifest lists, read once, its name one the old layout writes and its sha256 the manifest's."""
-    from . import CommandError
+    from .arguments import CommandError
 
     out = {}
     for name, entry in body["files"].items():
@@ -203,7 +203,7 @@ def _move(src: Path, dest: Path) -> None:
 def convert_folder(folder: Path) -> tuple[Path, Path, list[str]]:
     """Rewrite one checkpoint of the earlier layout in this one, journaled (the module's docstring);
     returns (the new folder, same name; where the old one went; the config keys filled)."""
-    from . import CommandError
+    from .arguments import CommandError
 
     root = folder.parent
     if root.name != storage.CHECKPOINTS:
@@ -277,7 +277,7 @@ def finish(root: Path) -> str | None:
 def convert(path: Path) -> int:
     """Convert every checkpoint of the earlier layout in a run folder (or the one checkpoint folder
     given), newest first, after finishing a conversion that was interrupted."""
-    from . import CommandError
+    from .arguments import CommandError
 
     path = Path(path)
     if (path / storage.MANIFEST).exists():
@@ -308,3 +308,15 @@ def convert(path: Path) -> int:
             said.add(tuple(filled))
             print(f"  filled the keys the earlier release did not have with the defaults that are what it did: {', '.join(filled)}")
     return 0
+
+
+HELP = "convert checkpoints of the earlier layout (resume.pth) into this one, in place"
+REMOTE = False  # a local run folder only: the conversion rewrites it in place
+
+
+def arguments(p) -> None:
+    p.add_argument("path", type=Path, help="a run folder (every old checkpoint in it) or one checkpoint folder")
+
+
+def run(args) -> int:
+    return convert(args.path)

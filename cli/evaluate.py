@@ -9,15 +9,28 @@ import sys
 import time
 from pathlib import Path
 
+from .arguments import number, place
 
-def evaluate(args) -> int:
+HELP = "score multiple-choice tasks (acc, acc_norm) and perplexity as lm-evaluation-harness does (docs/eval.md)"
+
+
+def arguments(p) -> None:
+    p.add_argument("path", type=place, help="a checkpoint folder or a run folder")
+    p.add_argument("--tasks", nargs="+", metavar="TASK", help="task files (.jsonl or .csv: question, A, B, C, D, answer) or "
+                                                              "'arith' (built in); 'text:TASK' scores each choice's text")
+    p.add_argument("--perplexity", nargs="+", metavar="FILE", help="held-out text: a .jsonl of {\"text\"} lines or a text file")
+    p.add_argument("--limit", type=number(int, 1), help="the first N items of each task")
+    p.add_argument("--out", type=Path, help="also write the results here, with each item's picks")
+
+
+def run(args) -> int:
     """Read every task and text file first (a bad one exits 2 naming file:line before the model loads),
     then score them with the checkpoint's fp32 weights (those the Hugging Face export holds)."""
     from checkpoint import storage
     from objectives.benchmark import evaluate_tasks, perplexity, read_documents, read_tasks
     from weights import load_model, load_tokenizer
 
-    from . import CommandError
+    from .arguments import CommandError
 
     if not args.tasks and not args.perplexity:
         raise CommandError("eval: nothing to do; give --tasks (a task file, or arith) and/or --perplexity FILE")

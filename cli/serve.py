@@ -427,6 +427,21 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
     return app
 
 
+HELP = "an OpenAI-compatible HTTP server over the checkpoint: POST /v1/chat/completions, GET /v1/models (docs/serving.md)"
+
+
+def arguments(p) -> None:
+    from .arguments import number, place
+
+    p.add_argument("path", type=place, help="a checkpoint folder or a run folder")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    p.add_argument("--port", type=number(int, 0, 65535), default=8000, help="the port (0: any free one, said on stderr; default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
+    p.add_argument("--model-name", help="the model id the server reports (default: the run folder's name)")
+    p.add_argument("--slots", type=number(int, 1), default=4, help="replies generated in turn, one token each per turn (default 4)")
+    p.add_argument("--queue", type=number(int, 0), default=16, help="requests waiting for a slot before more get 429 (default 16)")
+
+
 def model_name(path) -> str:
     """The id a run is served under: its run folder's name (a step folder's run's)."""
     from pathlib import Path
@@ -435,12 +450,12 @@ def model_name(path) -> str:
     return p.parents[1].name if p.name.startswith("step_") and p.parent.name == "checkpoints" else p.name
 
 
-def serve(args) -> int:
+def run(args) -> int:
     """`serve RUN [--host --port --api-key --slots --queue]`: load the run's model, then serve until SIGINT/SIGTERM."""
     import socket
     import sys
 
-    from . import CommandError
+    from .arguments import CommandError
 
     try:
         import fastapi  # noqa: F401

@@ -152,8 +152,32 @@ def outcome_line(run: Path, record: dict) -> str:
     again = " (resume me: run the same command again)" if state == "stopped" else ""
     return f"[status] {run}: {state}{at}{cause}; exit {code}{again}"
 
+HELP = ("where the run is (JSON): state, step, the loss or the objective's figure, tokens/s, the last checkpoint, an ETA, "
+        "who holds the folder")
 
-def status(args: argparse.Namespace) -> int:
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    from .arguments import number, place
+
+    p.add_argument("run", type=place)
+    p.add_argument("--exit-code", action="store_true",
+                   help="wait until no process holds the folder, then exit with the run's exit code (75: stopped, resume me)")
+    p.add_argument("--launch-id", help="with --exit-code: use the status only if this launch wrote it")
+    p.add_argument("--fallback", type=int, default=1,
+                   help="with --exit-code: the launcher's own exit code, used when the status is not this launch's (default 1)")
+    p.add_argument("--wait-s", type=number(float, 0), default=300.0, help="with --exit-code: how long to wait for the folder's holder")
+    p.add_argument("--sample", action="store_true",
+                   help="with --exit-code: a run that ended with 0 first prints its model's greedy reply to log.sample_prompt")
+    p.add_argument("--stopped", type=int, choices=(0, 1), default=0,
+                   help="with --exit-code: 1 when the launcher passed a stop signal on; an outcome this launch never recorded is then 75")
+
+
+def fetch_checkpoint(args: argparse.Namespace) -> bool:
+    """A run in the store comes down without its checkpoints, unless --sample reads the model."""
+    return args.sample
+
+
+def run(args: argparse.Namespace) -> int:
     """Print the run's report; with --exit-code, the exit code a scheduler should see: the run's
     recorded outcome when this launch recorded one (its one line last on stderr), else what the
     launcher's own code says (a launcher stopped by a signal: stopped; a code of the table: that

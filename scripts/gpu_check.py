@@ -65,7 +65,7 @@ def launch(nproc: int, args: list[str], log: Path, timeout: int = 300, env: dict
 
 
 def final(run: Path) -> tuple[str | None, list[float]]:
-    from cli import inspect_path
+    from cli.inspect import inspect_path
     from run import folder
 
     try:

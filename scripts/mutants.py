@@ -306,7 +306,7 @@ MUTANTS = (
            "    return dict(files)\n",
            ("tests/test_exports.py::test_the_hf_export_of_a_byte_tokenizer_run_carries_a_tokenizer_autotokenizer_loads_with_our_ids_and_chat_template",)),
     Mutant("chat-sampling-defaults-split", "chat and generate share one set of sampling defaults (docs/sft.md)",
-           "cli/__init__.py", "    _sampling_arguments(ch)\n", "    _sampling_arguments(ch)\n    ch.set_defaults(temperature=0.0)\n",
+           "cli/chat.py", "    sampling_arguments(p)\n", "    sampling_arguments(p)\n    p.set_defaults(temperature=0.0)\n",
            ("tests/test_exports.py::test_chat_and_generate_have_one_set_of_sampling_defaults_a_sampling_one_with_a_repetition_penalty",)),
     Mutant("reward-timeout-ignored", "a reward call is bounded by train.grpo.reward_timeout_s: a hanging one fails every rank, named (I24)",
            "objectives/rewards.py", "signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.5)", "signal.setitimer(signal.ITIMER_REAL, 0)",

@@ -121,7 +121,7 @@ def losses(out: Path) -> list[float]:
 
 def inspect(path: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from cli import inspect_path
+    from cli.inspect import inspect_path
 
     return inspect_path(Path(path))
 

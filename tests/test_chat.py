@@ -259,7 +259,7 @@ def test_chat_replies_greedily_and_transformers_reproduces_the_reply_from_the_hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cli import main as checkpoint_main
-    from cli import chat_reply
+    from cli.chat import chat_reply
     from model.generate import DEFAULTS
     from weights import load_model, load_tokenizer
 

@@ -11,7 +11,7 @@ import torch
 
 import launch
 from checkpoint import storage
-from cli import generate_text
+from cli.generate import generate_text
 from data.tokenizer import ByteTokenizer
 from weights import load_model
 

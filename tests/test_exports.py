@@ -152,7 +152,8 @@ def _parsed(verb: str) -> dict:
 def test_chat_and_generate_have_one_set_of_sampling_defaults_a_sampling_one_with_a_repetition_penalty():
     import inspect
 
-    from cli import chat_reply, generate_text
+    from cli.chat import chat_reply
+    from cli.generate import generate_text
     from model.generate import DEFAULTS, generate_ids
 
     assert _parsed("chat") == _parsed("generate") == {"temperature": DEFAULTS.temperature, "top_k": DEFAULTS.top_k,
@@ -193,7 +194,8 @@ def test_a_repetition_penalty_breaks_a_greedy_repeat():
 
 @pytest.mark.unit
 def test_the_same_seed_gives_the_same_text_twice_and_another_seed_another():
-    from cli import chat_reply, generate_text
+    from cli.chat import chat_reply
+    from cli.generate import generate_text
     from data.tokenizer import ByteTokenizer
 
     model, tok = _model(), ByteTokenizer()

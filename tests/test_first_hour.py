@@ -241,7 +241,8 @@ def test_a_resume_says_how_many_metrics_lines_it_dropped_and_why(tmp_path, caplo
 @pytest.mark.unit
 def test_a_run_that_ends_with_0_prints_its_models_greedy_reply_above_the_outcome_line_and_an_empty_prompt_none(tmp_path, tiny):
     """scripts/train.sh's closing status (--exit-code --sample): what the recipe's model now says."""
-    from cli import generate_text, main
+    from cli import main
+    from cli.generate import generate_text
     from weights import load_model, load_tokenizer
 
     def closing(run) -> list[str]:

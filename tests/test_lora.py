@@ -173,7 +173,7 @@ def test_a_peft_folder_continues_through_train_lora_init_from_and_chat_uses_the_
     a, b = weights.load_model(out, fp32=True), weights.load_model(runs / "lora", fp32=True)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     # the inference path (chat, generate): the base with the fp16 adapters on it
-    from cli import generate_text
+    from cli.generate import generate_text
 
     fp16 = weights.load_model(runs / "lora")
     assert type(fp16.layers[0].attention.wq).__name__ == "LoRALinear"

@@ -236,3 +236,26 @@ def test_a_mutant_whose_tests_were_skipped_is_not_proved_and_fails_the_script():
     assert mutants.judge(1, "F\nFAILED tests/test_a.py::test_b - assert\n1 failed\n") == "caught by tests/test_a.py::test_b"
     assert mutants.judge(0, ".\n1 passed\n") == "SURVIVED"
     assert mutants.judge(1, "E\nERROR tests/test_a.py - ImportError\n").startswith("SURVIVED (1 collection")
+
+
+def test_the_bench_is_a_small_runner_over_sections_that_register_themselves_one_module_each():
+    """scripts/bench.py runs what scripts/benches/ registers (read here, not imported: the package sets the
+    kernels' arithmetic for its process); every section docs/bench.json holds is registered."""
+    import ast
+    import json
+
+    assert len((ROOT / "scripts" / "bench.py").read_text().splitlines()) < 300, "scripts/bench.py is the runner: under 300 lines"
+    names, orders = [], []
+    for path in sorted((ROOT / "scripts" / "benches").glob("*.py")):
+        if path.name in ("__init__.py", "helpers.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{path.name}: no docstring that says what the section measures"
+        calls = [d for node in tree.body if isinstance(node, ast.FunctionDef) for d in node.decorator_list
+                 if isinstance(d, ast.Call) and getattr(d.func, "id", "") == "section"]
+        assert len(calls) == 1, f"{path.name}: one section per module, registered with @section(...)"
+        names.append(ast.literal_eval(calls[0].args[0]))
+        orders.append(ast.literal_eval(next(k.value for k in calls[0].keywords if k.arg == "order")))
+    assert len(set(names)) == len(names) and len(set(orders)) == len(orders), (names, orders)
+    held = {row["section"] for row in json.loads((ROOT / "docs" / "bench.json").read_text())["rows"]}
+    assert held <= set(names), f"docs/bench.json holds sections no module registers: {sorted(held - set(names))}"

@@ -51,7 +51,7 @@ def streamed_text(chunks: list[dict]) -> str:
 
 @pytest.mark.unit
 def test_a_streamed_reply_is_the_non_streamed_one_in_openai_chunks_ending_with_done_and_greedy_is_chats(client):
-    from cli import chat_reply
+    from cli.chat import chat_reply
     from data.tokenizer import ByteTokenizer
 
     body = {"model": "tiny", "messages": ASK, "temperature": 0, "max_tokens": 40}
@@ -328,7 +328,7 @@ def test_a_lora_run_and_a_minimind3_shaped_moe_run_are_served_with_chats_reply_a
     norm, an MoE), each loaded as `chat` loads it."""
     from fastapi.testclient import TestClient
 
-    from cli import chat_reply
+    from cli.chat import chat_reply
     from cli.serve import make_app
     from objectives.benchmark import evaluate_tasks, read_tasks
     from weights import load_model, load_tokenizer

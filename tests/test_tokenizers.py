@@ -157,7 +157,7 @@ def test_a_resume_with_another_tokenizer_fails_naming_both_and_generate_uses_the
     proc = subprocess.run([sys.executable, "-m", "checkpoint", "generate", str(run), "--prompt", "The model", "--tokens", "12",
                            "--temperature", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    from cli import generate_text as generate
+    from cli.generate import generate_text as generate
     from weights import load_model, load_tokenizer
 
     tok = load_tokenizer(run)

@@ -1,0 +1,154 @@
+"""The server's streamed tokens per second against generate_ids', concurrent clients, and eval's items per second."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import section
+from .helpers import ROOT, launch
+
+
+AIMS = {
+    "served stream / generate_ids tokens per second": (">=", 0.9),
+}
+
+
+def ensure_serve_requirements() -> None:
+    """`serve` needs FastAPI and uvicorn (requirements-serve.txt): installed here when missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-r",
+                        str(ROOT / "requirements-serve.txt")], check=True)
+
+
+def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
+    """`python -m checkpoint serve` over a 2-step tiny run at seq_len 512 (its weights barely trained, so
+    replies run long), one thread in the server and in this process: one streamed request's tokens per
+    second against generate_ids' on the same prompt and seed (the same ids); `clients` concurrent streamed
+    requests: total tokens per second and the time to the first token; and eval's items per second on
+    the built-in task (objectives/benchmark.py)."""
+    import threading
+
+    import httpx
+
+    from model.generate import generate_ids
+    from objectives.benchmark import evaluate_tasks, read_tasks
+    from weights import load_model, load_tokenizer
+
+    ensure_serve_requirements()
+    out = work / "serve-run"
+    launch(["--config", "configs/tiny.yaml", "data.path=stdlib-chat", "data.format=chat", "model.seq_len=512", "train.steps=2",
+            "checkpoint.interval=0", "log.progress=false", f"data.cache_dir={work / 'serve-cache'}", f"out_dir={out}"],
+           work / "serve.log")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "checkpoint", "serve", str(out), "--port", "0", "--slots", str(clients)],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+    threads = torch.get_num_threads()
+    try:
+        said = ""
+        while not (found := re.search(r":(\d+)/v1", said)):
+            line = proc.stderr.readline()
+            if not line:
+                raise SystemExit(f"bench: serve ended (exit {proc.wait()}) before it listened:\n{said[-3000:]}")
+            said += line
+        port = int(found.group(1))
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        for _ in range(600):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        messages = [{"role": "user", "content": "What does os.path.join do?"}]
+
+        def stream(seed: int, http: httpx.Client) -> tuple[float, float, int]:
+            """(seconds to the first token, seconds in all, completion tokens) of one streamed request."""
+            body = {"messages": messages, "temperature": 0.9, "seed": seed, "max_tokens": new_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0, first, tokens = time.perf_counter(), None, 0
+            with http.stream("POST", url, json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        first = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return first or float("nan"), time.perf_counter() - t0, tokens
+
+        model, tok = load_model(out), load_tokenizer(out)
+        from data.chat import template_of
+
+        prompt = tok.encode_rendered(template_of(tok).render(messages, add_generation_prompt=True))
+        torch.set_num_threads(1)
+        # the seed whose reply is longest among the first 10 (the same ids in both, so the longer the fairer)
+        seed = max(range(10), key=lambda k: (len(generate_ids(model, prompt, new_tokens, 0.9, 0, 0.9, 1.1, tok.eos, True, k)), -k))
+        gen = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ids = generate_ids(model, prompt, new_tokens, 0.9, 0, 0.9, 1.1, tok.eos, True, seed)
+            gen.append(time.perf_counter() - t0)
+        n = len(ids) - len(prompt)
+        with httpx.Client(timeout=600) as http:
+            stream(seed, http)  # warm-up
+            single = [stream(seed, http) for _ in range(3)]
+        assert n == single[0][2], f"the server generated {single[0][2]} tokens, generate_ids {n}: not the same reply"
+        served_s, gen_s = statistics.median(s for _, s, _ in single), statistics.median(gen)
+        results: list = [None] * clients
+
+        def client(i: int) -> None:
+            with httpx.Client(timeout=600) as http:
+                results[i] = stream(100 + i, http)
+
+        workers = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - t0
+        firsts = sorted(f for f, _, _ in results)
+        total = sum(t for _, _, t in results)
+        p95 = firsts[min(len(firsts) - 1, math.ceil(0.95 * len(firsts)) - 1)]
+        tasks = read_tasks("arith")
+        t0 = time.perf_counter()
+        evaluate_tasks(load_model(out, fp32=True), tok, tasks)
+        eval_s, eval_threads = time.perf_counter() - t0, torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+        proc.terminate()
+        proc.wait(timeout=60)
+    items = len(tasks[0].items)
+    return [
+        {"row": f"serve, tiny shape at seq_len 512, one streamed request of {n} tokens, 1 thread", "what":
+         "served stream / generate_ids tokens per second", "value": gen_s / served_s, "aim": "served stream / generate_ids tokens per second",
+         "detail": f"{n / served_s:.0f} tok/s through HTTP (SSE, the openai chunk format) / {n / gen_s:.0f} tok/s in process "
+                   f"(medians of 3; the same ids)"},
+        {"row": f"serve, {clients} concurrent streamed requests of up to {new_tokens} tokens, --slots {clients}, 1 thread",
+         "what": "total tokens per second", "value": total / wall,
+         "detail": f"{total} tokens in {wall:.2f} s; time to the first token p50 {statistics.median(firsts) * 1e3:.0f} ms, "
+                   f"p95 {p95 * 1e3:.0f} ms (one token per reply per turn)"},
+        {"row": f"eval, the built-in arith task ({items} items x 4 choices), tiny shape", "what": "items per second",
+         "value": items / eval_s, "detail": f"{items} items in {eval_s:.2f} s ({eval_threads} thread{'s' if eval_threads > 1 else ''}; one forward "
+                                                     f"of the 4 choices per item)"},
+    ]
+
+
+@section("serve", order=150, aims=AIMS)
+def run(work: Path, a: argparse.Namespace) -> list[dict]:
+    q = a.quick
+    return serve_rows(work, 128 if q else 256)
