@@ -31,6 +31,11 @@ log = logging.getLogger("minimind")
 
 REQUIREMENTS = "requirements-serve.txt"
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_REQUEST_BYTES = 1 << 20
+"""A request body past this many bytes (`--max-request-bytes`) is answered 413 before the rest is read."""
+MAX_DEPTH = 32
+"""JSON nested deeper than this (objects and lists) is a 400 naming the field, before it is parsed."""
+API_KEY_ENV = "MINIMIND_SERVE_API_KEY"
 NEUTRAL = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0}
 """OpenAI's fields this server does not implement, accepted at the value that asks for nothing."""
 
@@ -88,16 +93,104 @@ def _content(message: dict, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """A request body checked against what the server implements; ApiError (400) naming the field."""
-    from model.generate import DEFAULTS
+def _path(parts: list) -> str | None:
+    """`messages[0].content` from ["messages", 0, "content"] (None for the body itself)."""
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+    return text or None
 
+
+def _too_deep(raw: bytes) -> str | None:
+    """None when `raw`'s objects and lists nest at most MAX_DEPTH deep, else the path of the field where
+    they go deeper. The depth is counted on the bytes with the strings taken out (numpy, no recursion);
+    only past the bound is the path found, token by token up to that point."""
+    import re
+
+    import numpy as np
+
+    strings = re.compile(rb'"(?:[^"\\]|\\.)*"')
+    b = np.frombuffer(strings.sub(b'""', raw), dtype=np.uint8)
+    step = (b == ord("{")).astype(np.int32) + (b == ord("[")) - (b == ord("}")) - (b == ord("]"))
+    if not len(step) or int(step.cumsum().max()) <= MAX_DEPTH:
+        return None
+    stack, key_next = [], False  # each open container: [key or index]; key_next: the next string is a key
+    for m in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[\]{},]', raw):
+        t = m.group()
+        if t in (b"{", b"["):
+            if len(stack) == MAX_DEPTH:
+                return _path([p for p in stack if p is not None]) or "body"
+            stack.append(None if t == b"{" else 0)
+            key_next = t == b"{"
+        elif t in (b"}", b"]"):
+            stack.pop() if stack else None
+            key_next = False
+        elif t == b",":
+            if stack and isinstance(stack[-1], int):
+                stack[-1] += 1
+            else:
+                key_next = True
+        elif key_next and stack:
+            try:
+                stack[-1] = json.loads(t)
+            except ValueError:
+                stack[-1] = "?"
+            key_next = False
+    return "body"
+
+
+def _non_finite(value, parts: list) -> str | None:
+    """The path of the first number in `value` that is not finite (Infinity, NaN, 1e999), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _path(parts) or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, [*parts, k])
+        if found:
+            return found
+    return None
+
+
+def read_json(raw: bytes) -> dict:
+    """A request body as a JSON object: nested at most MAX_DEPTH deep and every number finite, else
+    ApiError (400) naming the field."""
+    deep = _too_deep(raw)
+    if deep:
+        raise ApiError(400, f"{deep} nests objects or lists deeper than {MAX_DEPTH} levels", deep)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    bad = _non_finite(body, [])
+    if bad:
+        raise ApiError(400, f"{bad} must be a finite number (Infinity, NaN and numbers past a double's range are not)", bad)
+    return body
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes: past it (its Content-Length says so, or the bytes that
+    came do) ApiError 413, before the rest is read."""
+    def too_large(size: str) -> ApiError:
+        return ApiError(413, f"the request body is {size} bytes; this server takes at most {limit} (serve --max-request-bytes)",
+                        code="request_too_large")
+
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(f"more than {size}")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def parse_request(raw: bytes) -> ChatRequest:
+    """A request body checked against what the server implements; ApiError (400) naming the field."""
+    from model.generate import DEFAULTS
+
+    body = read_json(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
@@ -311,7 +404,8 @@ class Engine:
                                       "total_tokens": len(job.prompt) + done}))
 
 
-def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, queue: int = 16):
+def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, queue: int = 16,
+             max_request_bytes: int = MAX_REQUEST_BYTES):
     """The FastAPI application over a loaded model and its tokenizer (`name`: the model id it reports)."""
     from contextlib import asynccontextmanager
 
@@ -353,7 +447,7 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return JSONResponse(ApiError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY' "
-                                                  "with the key given to serve --api-key", code="invalid_api_key").body(), status_code=401)
+                                                  "with the server's key", code="invalid_api_key").body(), status_code=401)
         return await call_next(request)
 
     @app.get("/health")
@@ -366,7 +460,7 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(await request.body())
+        req = parse_request(await read_body(request, max_request_bytes))
         prompt = prompt_ids(tok, template, req, seq_len)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(req, prompt, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
@@ -431,12 +525,18 @@ HELP = "an OpenAI-compatible HTTP server over the checkpoint: POST /v1/chat/comp
 
 
 def arguments(p) -> None:
+    from pathlib import Path
+
     from .arguments import number, place
 
     p.add_argument("path", type=place, help="a checkpoint folder or a run folder")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
     p.add_argument("--port", type=number(int, 0, 65535), default=8000, help="the port (0: any free one, said on stderr; default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it); visible in `ps`: "
+                                     "prefer --api-key-file or the environment variable MINIMIND_SERVE_API_KEY")
+    p.add_argument("--api-key-file", type=Path, help="the key, read from this file (its first line)")
+    p.add_argument("--max-request-bytes", type=number(int, 1), default=MAX_REQUEST_BYTES,
+                   help="a request body past this many bytes is answered 413 before the rest is read (default 1 MiB)")
     p.add_argument("--model-name", help="the model id the server reports (default: the run folder's name)")
     p.add_argument("--slots", type=number(int, 1), default=4, help="replies generated in turn, one token each per turn (default 4)")
     p.add_argument("--queue", type=number(int, 0), default=16, help="requests waiting for a slot before more get 429 (default 16)")
@@ -450,8 +550,36 @@ def model_name(path) -> str:
     return p.parents[1].name if p.name.startswith("step_") and p.parent.name == "checkpoints" else p.name
 
 
+def api_key_of(args) -> str | None:
+    """The key every /v1/ request must send: `--api-key-file`'s first line, `--api-key`, or the
+    environment's MINIMIND_SERVE_API_KEY (one of them; none: no key). CommandError (exit 2) for two at
+    once, an empty key or a file that cannot be read."""
+    import os
+
+    from .arguments import CommandError
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise CommandError("give the key once: --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CommandError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        key, where = (lines[0].strip() if lines else ""), f"--api-key-file {args.api_key_file} (its first line)"
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, where = os.environ[API_KEY_ENV], API_KEY_ENV
+    else:
+        return None
+    if not key.strip():
+        raise CommandError(f"the API key from {where} is empty")
+    return key
+
+
 def run(args) -> int:
-    """`serve RUN [--host --port --api-key --slots --queue]`: load the run's model, then serve until SIGINT/SIGTERM."""
+    """`serve RUN [--host --port --api-key(-file) --slots --queue --max-request-bytes]`: load the run's model, then
+    serve until SIGINT/SIGTERM."""
     import socket
     import sys
 
@@ -465,6 +593,7 @@ def run(args) -> int:
                            f"{REQUIREMENTS}") from None
     if args.slots < 1 or args.queue < 0:
         raise CommandError(f"--slots must be >= 1 and --queue >= 0, got {args.slots} and {args.queue}")
+    api_key = api_key_of(args)
     from weights import load_model, load_tokenizer
 
     model, tok = load_model(args.path), load_tokenizer(args.path)
@@ -483,8 +612,8 @@ def run(args) -> int:
     port = sock.getsockname()[1]
     where = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"serve: {name} ({model.num_parameters():,} parameters, context {model.cfg.seq_len}) at http://{where}:{port}/v1 "
-          f"({args.slots} slots, queue {args.queue}{', API key required' if args.api_key else ''}); Ctrl-C stops",
+          f"({args.slots} slots, queue {args.queue}{', API key required' if api_key else ''}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    app = make_app(model, tok, name, args.api_key, args.slots, args.queue)
+    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0

@@ -97,6 +97,11 @@ def test_a_seed_gives_the_same_sampled_reply_twice_and_another_seed_another(clie
     ({"messages": ASK, "seed": "seven"}, "seed"),
     ({"messages": ASK, "stream": "yes"}, "stream"),
     ({"messages": ASK, "n": 2}, "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', "repetition_penalty"),
+    (b'{"messages": [{"role": "user", "content": "hi", "weight": NaN}]}', "messages[0].weight"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1e999}', "top_p"),
+    (b'{"messages": [{"role": "user", "content": "[{"}], "metadata": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+     "metadata.a" + "[0]" * 30),
 ])
 def test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_server_keeps_serving(client, body, param):
     r = client.post("/v1/chat/completions", **({"content": body} if isinstance(body, bytes) else {"json": body}))
@@ -106,6 +111,95 @@ def test_bad_input_is_400_with_openais_error_body_naming_the_field_and_the_serve
     assert error["message"]
     r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.fixture
+def live():
+    """A server over a random tiny model in a uvicorn thread on a free port, as `serve` runs it (its real
+    HTTP parsing, which TestClient skips); yields its port."""
+    import socket
+
+    import uvicorn
+
+    from cli.serve import make_app
+    from data.tokenizer import ByteTokenizer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(make_app(tiny_model(), ByteTokenizer(), "tiny", max_request_bytes=4096),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    launch.wait_for(lambda: server.started, timeout=60)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def answer(port: int, head: bytes, parts: list[bytes], wait: float) -> tuple[bytes, int]:
+    """Send a request's head, then its body's parts one by one while the server has not answered (up to
+    `wait` seconds after each): (the server's answer, how many parts were sent before it came)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        got, sent = b"", 0
+        for part in parts:
+            s.sendall(part)
+            sent += 1
+            s.settimeout(wait)
+            try:
+                got = s.recv(65536)
+            except TimeoutError:
+                continue
+            break
+        s.settimeout(30)
+        while got and (b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}")):
+            more = s.recv(65536)
+            if not more:
+                break
+            got += more
+    return got, sent
+
+
+@pytest.mark.unit
+def test_a_body_past_max_request_bytes_is_413_before_the_rest_is_read_whether_its_length_is_said_or_chunked(live):
+    body = json.dumps({"messages": ASK, "max_tokens": 2}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    ok, _ = answer(live, head + b"Content-Length: %d\r\n\r\n" % len(body), [body], 30)
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
+    # 50 MiB announced: the answer comes after the first KiB, the rest never sent (a server that read on would wait for it)
+    big, _ = answer(live, head + b"Content-Length: %d\r\n\r\n" % (50 << 20), [b" " * 1024], 10)
+    assert big.startswith(b"HTTP/1.1 413"), big[:200]
+    error = json.loads(big.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_too_large" and "4096" in error["message"]
+    # chunked, no length said: the answer comes once the bytes that came pass the limit
+    chunk = b" " * 1024
+    chunked, sent = answer(live, head + b"Transfer-Encoding: chunked\r\n\r\n", [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 16, 1)
+    assert chunked.startswith(b"HTTP/1.1 413") and sent <= 8, (chunked[:200], sent)
+
+
+@pytest.mark.unit
+def test_the_api_key_comes_from_a_file_or_the_environment_and_given_twice_or_empty_is_a_command_error(tmp_path, monkeypatch):
+    from cli import _parser
+    from cli.arguments import CommandError
+    from cli.serve import API_KEY_ENV, api_key_of
+
+    def key(*flags: str):
+        return api_key_of(_parser().parse_args(["serve", str(tmp_path), *flags]))
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert key() is None
+    (tmp_path / "key").write_text("sesame\n")
+    assert key("--api-key-file", str(tmp_path / "key")) == "sesame" and key("--api-key", "open") == "open"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert key() == "from-env" and key("--api-key-file", str(tmp_path / "key")) == "sesame"
+    (tmp_path / "empty").write_text("\n")
+    for flags, said in ((["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "not both"),
+                        (["--api-key-file", str(tmp_path / "empty")], "empty"),
+                        (["--api-key-file", str(tmp_path / "missing")], "missing")):
+        with pytest.raises(CommandError, match=said):
+            key(*flags)
 
 
 @pytest.mark.unit
