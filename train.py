@@ -37,9 +37,10 @@ from data.loader import make_sampler, step_batches
 from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
-from objectives import NextToken, lr_at, make_objective, make_optimizer, make_plan, validation
+from objectives import NextToken, lr_at, make_objective, make_optimizer, make_plan, optimizer_step, validation
 from objectives.benchmark import TaskScores
 from run import folder, tracking
+from run.live import Live, LiveMetrics
 from run.metrics import Metrics, truncate
 from run.protocol import Protocol, describe as describe_error
 from run.state import TrainState
@@ -100,7 +101,8 @@ def build(cfg: Config, rt: runtime.Runtime, protocol: Protocol) -> Run:
                    data_fingerprint=fingerprint, run_id=rt.broadcast(new_run_id()), must_match=must_match, may_change=may_change,
                    files=tok.files, architecture=cfg.model.architecture())
     local = folder.local_dir(cfg.out_dir)  # out_dir, or the staging copy of a run folder in the store
-    ckpt = CheckpointManager(cfg.checkpoint, cfg.out_dir, rt, meta, durable=(local / folder.METRICS, local / folder.CONFIG))
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.out_dir, rt, meta, durable=(local / folder.METRICS, local / folder.CONFIG),
+                             shared=bool(cfg.ft.lighthouse))
     chat = cfg.data.format != "text"
     entropy = [float("nan")]  # the pretraining yardstick, from the counts packing stored beside the corpus (rank 0)
     if rt.is_main and not chat:
@@ -178,7 +180,7 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
     opened = []
 
     def on_rank_0() -> None:  # after the load: a run that cannot resume leaves the folder as it found it
-        truncate(out / folder.METRICS, start)
+        truncate(out / folder.METRICS, start, shared=bool(cfg.ft.lighthouse))  # live recovery: the writer group's (run/live.py)
         source = run.ckpt.meta.init_from
         head = f"# model.init_from: {source['path']} (sha256 {source['sha256']}, {source['format']})\n" if source else ""
         resolved = to_dict(cfg)
@@ -186,7 +188,7 @@ def resume(cfg: Config, rt: runtime.Runtime, run: Run, protocol: Protocol) -> Me
         atomic_write(out / folder.CONFIG, head + yaml.safe_dump(resolved, sort_keys=False))
         # Watching does not touch training (docs/design.md I15): the tracker starts after the load, with the run id.
         tracker = tracking.open_tracker(cfg.log.tracker, out, cfg.log.project, run.ckpt.meta.run_id, start, to_dict(cfg))
-        opened.append(Metrics(out / folder.METRICS, tracker, cfg.train.steps, start, cfg.log.every,
+        opened.append((LiveMetrics if cfg.ft.lighthouse else Metrics)(out / folder.METRICS, tracker, cfg.train.steps, start, cfg.log.every,
                               run.plan.global_batch * cfg.model.seq_len, cfg.log.progress))
 
     protocol.agree("resume", attempt(on_rank_0) if rt.is_main else None)
@@ -200,25 +202,17 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
     rng_devices = [rt.device.index] if rt.device.type == "cuda" else []
     scaler = run.scaler
     for j, batch in enumerate(micro_batches):
-        i = j * rt.world_size + rt.rank  # this micro-batch's index in the step, whatever W (docs/design.md I4)
+        i = reducer.index(j)  # this micro-batch's index in the step, whatever W or group (docs/design.md I4)
         # In-step randomness (dropout) is a function of (seed, epoch, step, i), on whichever rank (docs/design.md I6).
         with torch.random.fork_rng(devices=rng_devices), reducer.no_sync(j):
             torch.manual_seed(derive_seed(cfg.seed, epoch, s, i))
             with autocast:
                 loss = run.objective.loss(reducer.net, batch, rt.device, i)
             reducer.backward(loss, j, scaler.scale if scaler else None)
-    loss = reducer.reduce()
-    skip = getattr(run.objective, "skip_update", False)  # PPO after its early stop steps no optimizer (MiniMind's)
-    if scaler and not skip:
-        scaler.unscale_(run.opt)
-    if cfg.train.grad_clip and not skip:
-        reducer.clip(cfg.train.grad_clip)
-    if scaler and not skip:
-        scaler.step(run.opt)
-        scaler.update()
-    elif not skip:
-        run.opt.step()
-    run.opt.zero_grad(set_to_none=True)
+    if (loss := reducer.reduce()) is None:  # live recovery: a peer failed, the step is not committed and is done again
+        return None
+    # PPO after its early stop steps no optimizer (MiniMind's)
+    optimizer_step(run.opt, scaler, reducer, cfg.train.grad_clip, skip=getattr(run.objective, "skip_update", False))
     return loss
 
 
@@ -236,20 +230,21 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
     protocol.phase = "resume"
     metrics = resume(cfg, rt, run, protocol)
     step = start = run.train_state.step
-    reducer = runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,  # after the load: under
-                                   lambda m: model_sha256(m.state_dict(), cfg.model.architecture()), step)  # canonical, one set of bits
     sampler, (epoch, first) = make_sampler(run.dataset, run.plan, rt, cfg.seed, cfg.data.order, run.train_state, run.ckpt)
+    live = cfg.ft.lighthouse and Live(to_dict(cfg), cfg.ft, rt, run, metrics, cfg.model.architecture())  # docs/fault_tolerance.md
+    reducer = live.reducer if live else runtime.make_reducer(cfg.dist.strategy, cfg.dist.reduce, run.model, rt, run.plan.accum,
+                                                             lambda m: model_sha256(m.state_dict(), cfg.model.architecture()), step)
     halted = 0 < cfg.train.halt_at <= start
     if halted:
         log.warning("train.halt_at=%d is not after the resumed step %d: nothing to do", cfg.train.halt_at, start)
-    batches = step_batches(run.dataset, sampler, epoch, first, cfg.data.num_workers, cfg.seed, rt.device.type == "cuda",
-                           ignore_stop_signals) if start < cfg.train.steps and not halted else ()
+    batches = () if start >= cfg.train.steps or halted else live.batches(run.dataset, sampler, cfg.train.steps) if live else \
+        step_batches(run.dataset, sampler, epoch, first, cfg.data.num_workers, cfg.seed, rt.device.type == "cuda", ignore_stop_signals)
     end = "halted" if halted else "finished"
     run.model.train()
     stop.under_way()  # set-up is over: a signal from here on is voted on at the step boundary
     protocol.phase = "training"
     for epoch, s, micro_batches in batches:
-        t0 = time.perf_counter()
+        t0, step = time.perf_counter(), run.train_state.step  # the step a heal may have moved (run/live.py)
         lr = lr_at(step, cfg.train)
         for group in run.opt.param_groups:
             group["lr"] = lr
@@ -260,7 +255,8 @@ def loop(cfg: Config, rt: runtime.Runtime, stop: StopFlag, protocol: Protocol, r
             protocol.agree("metrics", attempt(metrics.flush))  # the lines that wait for a log step, before the checkpoint
             run.ckpt.after_step(step, run.states, end)
             break
-        loss = train_step(cfg, rt, run, reducer, micro_batches, epoch, s)
+        if (loss := train_step(cfg, rt, run, reducer, micro_batches, epoch, s)) is None:
+            continue  # not committed (live recovery): the quorum again, then the step
         step += 1
         seconds = time.perf_counter() - t0
         # The state a checkpoint holds: taken after optimizer.step(), with no gradient pending (docs/design.md I7).
@@ -316,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         rt = runtime.setup(cfg)
         runtime.setup_logging(rt)
         protocol = Protocol(rt)
-        lock = folder.take(cfg.out_dir, cfg.checkpoint.lock_timeout_s, rt)
+        lock = folder.take(cfg.out_dir, cfg.checkpoint.lock_timeout_s, rt, folder.group_lock(cfg.ft.group if cfg.ft.lighthouse else None))
         outcome, step = train(cfg, rt, stop, protocol)
         if outcome != "stopped" and stop.poll():  # the signal came during the final save: the run is complete, and stopped
             log.info("%s arrived during the final save: the checkpoint of step %d is published; exit %d as for any stop "

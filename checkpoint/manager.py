@@ -249,8 +249,12 @@ class CheckpointManager:
     """`load(states)` once before the loop, `after_step(step, states, end)` after every optimizer
     step, `close()` at the end (it also runs when the run fails)."""
 
-    def __init__(self, cfg: CheckpointConfig, out_dir: Path, comm: Collectives, meta: RunMeta, durable: tuple[Path, ...] = ()) -> None:
+    def __init__(self, cfg: CheckpointConfig, out_dir: Path, comm: Collectives, meta: RunMeta, durable: tuple[Path, ...] = (),
+                 shared: bool = False) -> None:
         self.cfg, self.comm, self.meta = cfg, comm, meta
+        self.shared = shared
+        """Several launches share the folder (live recovery's groups: docs/fault_tolerance.md): a load leaves the
+        temporary folders alone (they may be a live writer's save under way)."""
         self.store = store_of(out_dir)
         """Where the checkpoints are: storage.LocalStore (a folder) or remote.RemoteStore (s3://...): the one switch."""
         self.root = self.store.root
@@ -343,7 +347,7 @@ class CheckpointManager:
         found: Any = None
         if self.comm.is_main:  # nothing is created here: the first publish makes the folder
             try:
-                for what in self.store.clear():
+                for what in () if self.shared else self.store.clear():
                     log.info("removed %s", what)
             except Exception as e:  # noqa: BLE001 - said below, on every rank
                 found = {"error": f"{self.root}: {e}", "mismatch": False}

@@ -32,6 +32,7 @@ from objectives.dpo import DPOConfig
 from objectives.agent import AgentConfig
 from objectives.grpo import GRPOConfig
 from objectives.ppo import PPOConfig
+from runtime.ft import FTConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
 
@@ -247,8 +248,12 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
+    """Live recovery: replica groups in a per-step quorum (docs/fault_tolerance.md)."""
 
     def __post_init__(self) -> None:
+        if self.ft.lighthouse:
+            self._live_recovery()
         if self.eval.interval and not (self.data.val_path or self.data.val_samples or self.eval.tasks):
             raise ConfigError("eval.interval: needs a validation set (data.val_path=FILE or data.val_samples=N) or eval.tasks")
         if self.eval.tasks and not self.eval.interval:
@@ -295,6 +300,26 @@ class Config:
                 raise ConfigError(str(e)) from None
         elif Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"out_dir: {self.out_dir} is a regular file (expected a run folder, or a path to create one at)")
+
+
+    def _live_recovery(self) -> None:
+        """ft.lighthouse: the combinations live recovery keeps exact, the others refused by name (docs/design.md)."""
+        refused = [
+            (self.dist.reduce != "canonical", f"dist.reduce={self.dist.reduce}", "the groups' gradients are summed in the canonical "
+             "order, which is what makes who computed what change no bit: set dist.reduce=canonical"),
+            (self.dist.strategy != "ddp", f"dist.strategy={self.dist.strategy}", "FSDP inside a group (HSDP) is not built: use "
+             "dist.strategy=ddp"),
+            (self.train.objective != "next_token", f"train.objective={self.train.objective}", "its figures and pins are agreed within "
+             "one group only: pretraining and SFT (next_token) are exact under live recovery"),
+            (bool(self.model.moe.experts), "model.moe.experts", "the experts' load figures are gathered within one group only"),
+            (bool(self.data.mix), "data.mix", "the sources' figures are gathered within one group only"),
+            (self.log.tracker != "none", f"log.tracker={self.log.tracker}", "a tracker's run would change hands with the writer group"),
+            (self.checkpoint.async_, "checkpoint.async", "a writer that leaves mid-write would leave its save to nobody"),
+            (is_url(self.out_dir), "out_dir=s3://...", "the groups' shared lock is an OS lock on a folder"),
+        ]
+        for bad, what, why in refused:
+            if bad:
+                raise ConfigError(f"ft.lighthouse with {what}: not supported ({why})")
 
 
 FLOAT32_MAX = 3.4028234663852886e38

@@ -13,7 +13,7 @@ from .dpo import DPO, DPOConfig
 from .grpo import GRPO, GRPOConfig
 from .next_token import NextToken, evaluate, validation
 from .ppo import PPO, PPOConfig
-from .optim import lr_at, make_optimizer
+from .optim import lr_at, make_optimizer, optimizer_step
 
 
 def make_plan(cfg, world_size: int) -> BatchPlan:
@@ -44,5 +44,5 @@ def make_objective(cfg, dataset, micro_batches: int, model, tok, rt):
     return NextToken(dataset, micro_batches, cfg.data.format == "chat", model)
 
 
-__all__ = ["DPO", "DPOConfig", "Distill", "DistillConfig", "GRPO", "GRPOConfig", "NextToken", "PPO", "PPOConfig", "evaluate", "lr_at", "validation", "make_objective", "make_optimizer",
+__all__ = ["DPO", "DPOConfig", "Distill", "DistillConfig", "GRPO", "GRPOConfig", "NextToken", "PPO", "PPOConfig", "evaluate", "lr_at", "validation", "make_objective", "make_optimizer", "optimizer_step",
            "make_plan"]

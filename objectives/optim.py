@@ -51,3 +51,19 @@ def make_optimizer(model: torch.nn.Module, t) -> torch.optim.AdamW:
     other = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
     return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def optimizer_step(opt: torch.optim.Optimizer, scaler, reducer, grad_clip: float, skip: bool = False) -> None:
+    """The end of a step, after the reduction: unscale (float16's GradScaler), clip the global norm
+    (through the reduction: FSDP's norm is over shards), step, and drop the gradients. `skip`: drop
+    them without a step (PPO after its early stop, as MiniMind leaves its update loop)."""
+    if scaler and not skip:
+        scaler.unscale_(opt)
+    if grad_clip and not skip:
+        reducer.clip(grad_clip)
+    if scaler and not skip:
+        scaler.step(opt)
+        scaler.update()
+    elif not skip:
+        opt.step()
+    opt.zero_grad(set_to_none=True)

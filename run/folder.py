@@ -57,12 +57,12 @@ def describe_holder(info: dict) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')} since {since}"
 
 
-def read_holder(out_dir: Path) -> dict:
-    """What the lock file says about its holder ({} when empty or unreadable)."""
+def read_holder(out_dir: Path, name: str = LOCK) -> dict:
+    """What the lock file (`name`) says about its holder ({} when empty or unreadable)."""
     if (run := _fetched.get(Path(out_dir))) is not None:
         return Lease(run.store, (run / LOCK).key).holder()[0]
     try:
-        info = json.loads((Path(out_dir) / LOCK).read_text() or "{}")
+        info = json.loads((Path(out_dir) / name).read_text() or "{}")
         return info if isinstance(info, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -128,7 +128,37 @@ def _missing(out_dir: Path) -> tuple[Path, ...]:
     return tuple(missing)
 
 
-def _open_lock_file(out_dir: Path) -> int:
+def group_lock(group: int | None) -> str:
+    """The lock file a launch holds: `.lock`, or live recovery's group N's `.lock.groupN` (the groups of
+    one run share the folder, each holding its own; docs/fault_tolerance.md)."""
+    return LOCK if group is None else f"{LOCK}.group{group}"
+
+
+def _held(path: Path) -> bool:
+    """Whether another process holds the lock on `path` now (taken and released at once when free)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    except OSError as e:
+        return e.errno in (errno.EACCES, errno.EAGAIN)
+    finally:
+        os.close(fd)
+
+
+def _other_kind(out_dir: Path, name: str) -> str | None:
+    """A run of the other kind in the folder: live recovery's groups beside a plain run's `.lock`, or the other way."""
+    if name == LOCK:
+        held = sorted(p.name for p in out_dir.glob(f"{LOCK}.group*") if _held(p))
+        return f"the live-recovery groups holding {', '.join(held)}" if held else None
+    return "a run without ft.lighthouse" if _held(out_dir / LOCK) else None
+
+
+def _open_lock_file(out_dir: Path, name: str = LOCK) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise RunFolderError(f"out_dir={out_dir} is a regular file, not a folder (expected a run folder or a new path)")
     if (out_dir / CHECKPOINTS).is_symlink():
@@ -139,7 +169,7 @@ def _open_lock_file(out_dir: Path) -> int:
             f"followed through links. Put the whole run folder on the other disk instead (out_dir=<a folder there>); "
             f"nothing was written")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / LOCK
+    path = out_dir / name
     if path.is_symlink():
         raise RunFolderError(f"{path} is a symbolic link; refusing to follow it")
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -181,15 +211,16 @@ def _acquire_remote(url: str, timeout_s: float) -> RunLock:
     return RunLock(local, -1, (), lease)
 
 
-def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
-    """Take the run folder's lock, waiting up to `timeout_s` for its holder to leave.
+def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2, name: str = LOCK) -> RunLock:
+    """Take the run folder's lock (`name`: group_lock's), waiting up to `timeout_s` for its holder to leave.
 
-    Raises RunFolderError naming the holder when it is still held after the wait."""
+    Raises RunFolderError naming the holder when it is still held after the wait, or when a run of
+    the other kind (live recovery's groups, a plain run) holds the folder."""
     if is_url(out_dir):
         return _acquire_remote(str(out_dir), timeout_s)
     out_dir = Path(out_dir)
     created = _missing(out_dir)
-    fd = _open_lock_file(out_dir)
+    fd = _open_lock_file(out_dir, name)
     end, announced = time.monotonic() + timeout_s, None
     while True:
         try:
@@ -199,7 +230,7 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 os.close(fd)
                 raise RunFolderError(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see docs/run_folder.md") from None
-        holder = describe_holder(read_holder(out_dir))
+        holder = describe_holder(read_holder(out_dir, name))
         if time.monotonic() >= end:
             os.close(fd)
             raise RunFolderError(
@@ -209,6 +240,9 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2) -> RunLock:
             log.warning("out_dir %s is held by %s; waiting up to %g s for it to finish", out_dir, holder, timeout_s)
             announced = holder
         time.sleep(poll_s)
+    if (other := _other_kind(out_dir, name)) is not None:
+        os.close(fd)
+        raise RunFolderError(f"out_dir={out_dir} is used by {other}: one run per folder; stop it or use another out_dir")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "launch_id": os.environ.get(LAUNCH_ENV)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
@@ -333,14 +367,14 @@ def wait_until_free(out_dir: Path, timeout_s: float) -> bool:
         os.close(fd)
 
 
-def take(out_dir: Path, timeout_s: float, comm) -> RunLock | None:
+def take(out_dir: Path, timeout_s: float, comm, name: str = LOCK) -> RunLock | None:
     """Global rank 0 locks `out_dir` before anything touches it (docs/design.md I12) and records the
     run as running; every rank learns the outcome (`comm`: the run's runtime), so all of them refuse
     together when another run holds the folder. Returns rank 0's lock (None elsewhere)."""
     lock, outcome = None, None
     if comm.is_main:
         try:
-            lock = acquire(out_dir, timeout_s)
+            lock = acquire(out_dir, timeout_s, name=name)
             write_status(lock.out_dir, "running")
         except (RunFolderError, StoreRefused, OSError) as e:
             outcome = (str(e), True)

@@ -19,14 +19,15 @@ TIMING = ("tokens_per_s", "step_s", "elapsed_s", "rollout_s")
 """The only fields of a metrics line that differ between an interrupted run and the one that was not."""
 
 
-def truncate(path: Path, step: int) -> int:
+def truncate(path: Path, step: int, shared: bool = False) -> int:
     """Drop metrics lines past `step` (and any half-written line) so that a resumed log equals an
     uninterrupted one (docs/design.md I11); the kept lines must be exactly steps 1..step, else
     CheckpointError (a log with a gap, e.g. after a power loss, is not silently continued). Returns
-    the number of lines kept."""
+    the number of lines kept. `shared`: live recovery's groups share the log, which the writer group
+    keeps (run/live.py: Lines): nothing is dropped here."""
     from common.files import atomic_write
 
-    if not path.exists():
+    if shared or not path.exists():
         return 0
     kept, steps, lines = [], [], path.read_text().splitlines()
     for line in lines:

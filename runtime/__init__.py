@@ -2,7 +2,8 @@
 launch's board on the c10d store (board.py), torch 2.13's restart-store workaround (elastic.py),
 logging (logs.py), the gradient reductions (reduce.py), FSDP2 sharding with its reductions
 (sharding.py), and the speed switches that keep the arithmetic: compile and activation
-checkpointing (speed.py)."""
+checkpointing (speed.py); live recovery's replica groups on torchft's Lighthouse, with the canonical sum across
+them (ft.py) and the Lighthouse itself (`python -m runtime.lighthouse`, lighthouse.py)."""
 from . import sharding, speed
 from .board import Board, Heartbeat, Stalled, wait_for
 from .elastic import agree_on_attempt, attempt_store

@@ -28,6 +28,10 @@ class DDPReduce:
             self.net = DDP(model, device_ids=ids, broadcast_buffers=False)
         self._loss = 0.0
 
+    def index(self, j: int) -> int:
+        """Micro-batch j of this rank is micro-batch j * W + rank of the step (docs/design.md I4)."""
+        return j * self.rt.world_size + self.rt.rank
+
     def no_sync(self, j: int):
         last = j == self.accum - 1
         return self.net.no_sync() if (self.net is not self.model and not last) else nullcontext()
@@ -65,6 +69,10 @@ class CanonicalReduce:
     @property
     def buffer_bytes(self) -> int:
         return (self.local.numel() + self.gathered.numel()) * 4
+
+    def index(self, j: int) -> int:
+        """Micro-batch j of this rank is micro-batch j * W + rank of the step (docs/design.md I4)."""
+        return j * self.rt.world_size + self.rt.rank
 
     def no_sync(self, j: int):
         return nullcontext()

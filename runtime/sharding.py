@@ -69,6 +69,10 @@ class FSDPReduce:
             m.set_force_sum_reduction_for_comms(True)  # SUM, then / W: never the backend's AVG
         self._loss = 0.0
 
+    def index(self, j: int) -> int:
+        """Micro-batch j of this rank is micro-batch j * W + rank of the step (docs/design.md I4)."""
+        return j * self.rt.world_size + self.rt.rank
+
     def no_sync(self, j: int):
         self.model.set_requires_gradient_sync(j == self.accum - 1)
         return nullcontext()
@@ -130,6 +134,10 @@ class FSDPCanonicalReduce:
             if rt.world_size > 1:
                 m.set_custom_reduce_scatter(_OrderedReduceScatter(self))
         self._losses: list[torch.Tensor] = []
+
+    def index(self, j: int) -> int:
+        """Micro-batch j of this rank is micro-batch j * W + rank of the step (docs/design.md I4)."""
+        return j * self.rt.world_size + self.rt.rank
 
     def no_sync(self, j: int):
         self.model.set_requires_gradient_sync(True)  # every micro-batch's gradient goes through the ordered sum

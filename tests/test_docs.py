@@ -52,6 +52,11 @@ NOT_RUN = {
     **{command: "tests/test_agent.py::test_the_agent_recipes_run_the_tool_use_fine_tune_then_agent_rl_over_it_at_a_tiny_size runs "
                 "both stages (an agent RL step generates episode by episode: 80 steps would be minutes here)" for command in (
         "bash scripts/train.sh --config configs/agent_sft_tiny.yaml", "bash scripts/train.sh --config configs/agent_tiny.yaml")},
+    **{command: "a server and two groups at once: tests/test_ft.py::test_the_docs_two_group_recipe_runs_as_written_and_ends_on_the_one_"
+                "process_bits runs these lines" for command in (
+        ".venv/bin/python -m runtime.lighthouse --port 29510 &",
+        ".venv/bin/python train.py dist.reduce=canonical ft.lighthouse=127.0.0.1:29510 ft.groups=2 ft.group=0 out_dir=runs/live &",
+        ".venv/bin/python train.py dist.reduce=canonical ft.lighthouse=127.0.0.1:29510 ft.groups=2 ft.group=1 out_dir=runs/live")},
     "git clone https://github.com/jingyaogong/minimind": "the network: the copy's minimind/model/ is made from ../shared/minimind",
     ".venv/bin/tensorboard --logdir runs/watched/tensorboard": "a server; tests/test_watching.py reads the event files it shows",
     ".venv/bin/python -m checkpoint serve runs/sft_tiny": "a server: tests/test_serve.py::test_the_docs_commands_and_the_openai_client_"

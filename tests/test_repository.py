@@ -111,7 +111,7 @@ MAY_IMPORT = {
     "runtime": {"common"},
     "model": {"common"},
     "data": {"common", "runtime"},
-    "run": {"common", "checkpoint"},
+    "run": {"common", "checkpoint", "runtime"},
     "weights": {"common", "checkpoint", "data", "model"},
     "objectives": {"common", "checkpoint", "data", "model", "runtime", "weights"},
     "configs": {"common", "checkpoint", "data", "model", "runtime", "run", "objectives"},

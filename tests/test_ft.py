@@ -1,0 +1,259 @@
+"""Live recovery (docs/fault_tolerance.md): replica groups on torchft's Lighthouse, each a launch of
+train.py, sharing one run folder. Whatever the membership does (a group lost for good, lost and
+healed from a peer, a new one joining), the run ends bit-identical to the uninterrupted one-process
+run: the sha256 of the final weights and every logged figure. The faults are injected by
+tests/ft_train.py at a chosen step; the Lighthouse is started by the tests themselves (the fixture).
+Without torchft these tests skip, except under CI=true, where they fail."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+CI = os.environ.get("CI") == "true"
+TIMING = ("tokens_per_s", "step_s", "elapsed_s")
+pytestmark = pytest.mark.e2e
+
+
+def torchft_here() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        if CI:
+            pytest.fail("torchft is not installed (requirements.txt: torchft==0.2.0): the live-recovery tests need it")
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lighthouse:
+    """`python -m runtime.lighthouse` on a free port, as a user starts it; stop() and start() again on the same port."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.log, self.proc = free_port(), log, None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "Lighthouse":
+        self.proc = launch.start([sys.executable, "-m", "runtime.lighthouse", "--port", str(self.port), "--heartbeat-timeout-ms", "1000"],
+                                 self.log)
+        launch.wait_for(lambda: "listening" in self.log.read_text(), timeout=60, proc=self.proc)
+        return self
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    if not torchft_here():
+        pytest.skip("torchft is not installed (pip install torchft==0.2.0)")
+    house = Lighthouse(tmp_path / "lighthouse.log").start()
+    yield house
+    house.stop()
+
+
+@pytest.fixture(scope="module")
+def ft_args(tiny):
+    """The tiny run under dist.reduce=canonical, two epochs, a checkpoint every 4 steps."""
+    return [*tiny, "dist.reduce=canonical", "data.num_samples=70", "log.sample_ids=true", "train.steps=16", "checkpoint.interval=4"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, ft_args) -> Path:
+    """The uninterrupted one-process run without live recovery: what every case must equal."""
+    out = tmp_path_factory.mktemp("ft-reference") / "run"
+    launch.run(0, *ft_args, f"out_dir={out}")
+    return out
+
+
+def group(house: Lighthouse, out: Path, g: int, args: list[str], groups: int = 3, nproc: int = 0, env: dict | None = None,
+          tag: str = "") -> subprocess.Popen:
+    """Launch group g of the run in `out` (train.py through tests/ft_train.py), output to out.g<g><tag>.log."""
+    cmd = launch.command(nproc, *args, f"out_dir={out}", f"ft.lighthouse={house.address}", f"ft.group={g}", f"ft.groups={groups}",
+                         "ft.timeout_s=10", script="tests/ft_train.py")
+    return launch.start(cmd, out.parent / f"{out.name}.g{g}{tag}.log", env={"FT_STEP_S": "0.15", **(env or {})})
+
+
+def log_of(out: Path, g: int, tag: str = "") -> str:
+    return (out.parent / f"{out.name}.g{g}{tag}.log").read_text()
+
+
+def finish(procs: dict, timeout: float = 240) -> dict:
+    """Wait for every launch; their exit codes by name."""
+    end, codes = time.monotonic() + timeout, {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            launch.kill_tree(proc.pid, signal.SIGKILL)
+            codes[name] = "timeout"
+    return codes
+
+
+def assert_equals_one_process(out: Path, ref: Path) -> None:
+    """Every logged figure (timing aside) and the final weights' sha256 equal the one-process run's."""
+    got, want = launch.metrics(out), launch.metrics(ref)
+    strip = lambda rows: [{k: v for k, v in m.items() if k not in TIMING} for m in rows]  # noqa: E731
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    assert strip(got) == strip(want)
+    assert launch.inspect(out)["model_sha256"] == launch.inspect(ref)["model_sha256"]
+    assert launch.inspect(out)["step"] == launch.inspect(ref)["step"]
+
+
+def in_the_run(out: Path, g: int, tag: str = "", timeout: float = 180) -> None:
+    """Until group g's Manager is up (tests/ft_train.py says so): from then on every quorum waits for it."""
+    launch.wait_for(lambda: "ft_train: in the run" in log_of(out, g, tag), timeout=timeout, every=0.05)
+
+
+def wait_step(out: Path, step: int, procs=(), timeout: float = 180) -> None:
+    """Until metrics.jsonl (the writer group's) holds `step`."""
+    def reached() -> bool:
+        path = out / "metrics.jsonl"
+        return path.exists() and any(f'"step": {step},' in line for line in path.read_text().splitlines())
+
+    launch.wait_for(reached, timeout=timeout, every=0.05)
+
+
+# ---------------------------------------------------------------- the keys
+@pytest.mark.unit
+@pytest.mark.parametrize("args, says", [
+    (["ft.lighthouse=nohost"], "ft.lighthouse: expected host:port"),
+    (["ft.lighthouse=127.0.0.1:29510", "dist.reduce=canonical", "ft.group=3", "ft.groups=3"], "ft.group: expected 0 .. ft.groups - 1 = 2"),
+    (["ft.lighthouse=127.0.0.1:29510", "dist.reduce=canonical", "ft.groups=2", "ft.min_groups=3"], "ft.min_groups: expected 1 .. ft.groups = 2"),
+    (["ft.lighthouse=127.0.0.1:29510"], "ft.lighthouse with dist.reduce=ddp"),
+    (["ft.lighthouse=127.0.0.1:29510", "dist.reduce=canonical", "dist.strategy=fsdp"], "ft.lighthouse with dist.strategy=fsdp"),
+    (["ft.lighthouse=127.0.0.1:29510", "dist.reduce=canonical", "checkpoint.async=true"], "ft.lighthouse with checkpoint.async"),
+])
+def test_the_ft_keys_are_checked_and_what_live_recovery_cannot_keep_exact_is_refused_by_name(args, says):
+    from configs import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("(", r"\(")):
+        load_config(ROOT / "configs" / "tiny.yaml", args)
+
+
+@pytest.mark.unit
+def test_each_objective_is_exact_under_live_recovery_or_refused_by_name():
+    from configs import ConfigError, load_config
+
+    base = ["ft.lighthouse=127.0.0.1:29510", "dist.reduce=canonical"]
+    load_config(ROOT / "configs" / "tiny.yaml", base)  # pretraining
+    load_config(ROOT / "configs" / "sft_tiny.yaml", base)  # SFT
+    for recipe in ("dpo_tiny.yaml", "grpo_tiny.yaml", "ppo_tiny.yaml", "distill_tiny.yaml"):
+        with pytest.raises(ConfigError, match=r"ft.lighthouse with train.objective="):
+            load_config(ROOT / "configs" / recipe, base)
+
+
+@pytest.mark.unit
+def test_micro_batch_i_of_step_s_goes_to_a_participant_by_a_pure_function_of_s_i_and_the_participants():
+    from runtime.ft import assign, shares
+
+    for participants in [(0,), (0, 2), (1, 2), (0, 1, 2)]:
+        for s in range(5):
+            dealt = shares(s, 8, participants)
+            assert sorted(i for v in dealt.values() for i in v) == list(range(8))  # each once
+            assert all(assign(s, i, participants) == g for g, v in dealt.items() for i in v)
+            assert max(map(len, dealt.values())) - min(map(len, dealt.values())) <= 1  # balanced
+    assert shares(3, 4, (0, 1, 2)) == shares(3, 4, (0, 1, 2))
+
+
+def test_the_lighthouse_module_listens_where_it_is_told_and_stops_on_sigterm(tmp_path):
+    if not torchft_here():
+        pytest.skip("torchft is not installed")
+    house = Lighthouse(tmp_path / "lh.log").start()
+    with socket.create_connection(("127.0.0.1", house.port), timeout=10):
+        pass
+    house.stop(signal.SIGTERM)
+    assert house.proc.returncode == 0
+
+
+# ---------------------------------------------------------------- membership changes, each exact
+def test_shrink_the_writer_group_sigkilled_for_good_the_two_others_end_bit_identical_to_one_process(tmp_path, lighthouse, ft_args,
+                                                                                                  one_process):
+    """Group 0 (the writer) dies mid-step (after computing its share, before the gather) and never
+    comes back: the step is not committed anywhere, done again by groups 1 and 2, and group 1 takes
+    over the log and the checkpoints."""
+    out = tmp_path / "run"
+    procs = {g: group(lighthouse, out, g, ft_args, env={"FT_KILL": "gather:6"} if g == 0 else None) for g in range(3)}
+    codes = finish(procs)
+    assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}, {g: log_of(out, g)[-3000:] for g in range(3)}
+    assert "(left: [0])" in log_of(out, 1)
+    assert_equals_one_process(out, one_process)
+
+
+def test_heal_a_group_sigkilled_and_relaunched_heals_from_a_live_peer_and_ends_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out = tmp_path / "run"
+    args = [*ft_args, "checkpoint.interval=0"]  # no checkpoint to start from: the relaunched group can only heal
+    gate = {"FT_GATE": f"8:{tmp_path / 'gate'}"}  # the two others wait at step 8 until group 1 is back in the run
+    procs = {g: group(lighthouse, out, g, args, env={"FT_KILL": "quorum:4"} if g == 1 else gate) for g in range(3)}
+    assert procs[1].wait(timeout=180) == -signal.SIGKILL
+    procs["1b"] = group(lighthouse, out, 1, args, tag="b")
+    in_the_run(out, 1, "b")
+    (tmp_path / "gate").touch()
+    codes = finish(procs)
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0, "1b": 0}, log_of(out, 1, "b")[-3000:]
+    healed = log_of(out, 1, "b")
+    assert "ft: group 1 healed from group" in healed and "verified" in healed
+    assert_equals_one_process(out, one_process)
+
+
+def test_grow_a_group_launched_mid_run_joins_and_the_run_ends_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out = tmp_path / "run"
+    args = [*ft_args, "checkpoint.interval=0"]  # no checkpoint to start from: the new group can only heal
+    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": f"6:{tmp_path / 'gate'}"}) for g in range(2)}
+    wait_step(out, 3)
+    procs[2] = group(lighthouse, out, 2, args)
+    in_the_run(out, 2)
+    (tmp_path / "gate").touch()
+    codes = finish(procs)
+    assert codes == {0: 0, 1: 0, 2: 0}, log_of(out, 2)[-3000:]
+    assert "(joined: [2])" in log_of(out, 0)
+    assert "ft: group 2 healed from group" in log_of(out, 2)
+    assert_equals_one_process(out, one_process)
+
+
+def test_the_docs_two_group_recipe_runs_as_written_and_ends_on_the_one_process_bits(tmp_path, ft_args, one_process):
+    """docs/fault_tolerance.md's three lines (the Lighthouse, two groups), on a free port and with the
+    tests' tiny run appended, ending on the bits of the one-process run."""
+    import re
+    import shlex
+
+    if not torchft_here():
+        pytest.skip("torchft is not installed")
+    text = (ROOT / "docs" / "fault_tolerance.md").read_text()
+    block = re.search(r"## Two groups on one machine\n\n```bash\n(.*?)```", text, re.S).group(1).strip().splitlines()
+    assert len(block) == 3 and block[0].startswith(".venv/bin/python -m runtime.lighthouse --port 29510")
+    port, out = free_port(), tmp_path / "live"
+    procs = []
+    for line in block:
+        argv = shlex.split(line.rstrip(" &").replace("29510", str(port)).replace("runs/live", str(out)))
+        argv[0] = sys.executable
+        if "train.py" in argv:
+            argv += [a for a in ft_args if not a.startswith("dist.reduce=")]
+        procs.append(launch.start(argv, tmp_path / f"{len(procs)}.log"))
+        if len(procs) == 1:
+            launch.wait_for(lambda: "listening" in (tmp_path / "0.log").read_text(), timeout=60, proc=procs[0])
+    try:
+        assert finish({1: procs[1], 2: procs[2]}) == {1: 0, 2: 0}, (tmp_path / "2.log").read_text()[-3000:]
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait(timeout=30)
+    assert_equals_one_process(out, one_process)
