@@ -17,6 +17,7 @@ import shutil
 import time
 import uuid
 import concurrent.futures
+import copy
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +264,7 @@ class CheckpointManager:
         self.token = comm.broadcast(uuid.uuid4().hex[:8])  # names this launch's temporary folders alike on every rank
         self.owned: set[Path] = set()  # checkpoints this run verified or published: the only ones pruning may delete
         self.resumed: Resumed | None = None  # what load() found, once it found one
+        self._fresh: dict[str, dict] = {}  # the optional states as they were before load(): what one a checkpoint lacks goes back to
         self._group = None  # the process group of DCP's collectives (see _dcp)
         self._pool: ThreadPoolExecutor | None = None  # one thread for background writes, made at the first
         self._pending: Future | None = None
@@ -344,6 +346,8 @@ class CheckpointManager:
         moves on to the previous checkpoint (never, for an explicit checkpoint.resume path). A
         state named in OPTIONAL_STATES that the checkpoint lacks starts fresh with a warning."""
         t0 = time.monotonic()
+        # An optional state a checkpoint lacks starts as it is now (fresh), whichever checkpoint was tried before.
+        self._fresh = {name: copy.deepcopy(states[name].state_dict()) for name in OPTIONAL_STATES if name in states}
         found: Any = None
         if self.comm.is_main:  # nothing is created here: the first publish makes the folder
             try:
@@ -408,10 +412,14 @@ class CheckpointManager:
         if isinstance(data, dict):
             raise storage.CheckpointError(data["error"])
         metadata = format.read_metadata(data, src / meta_name, manifest["files"])  # chunk coverage and bounds checked
+        # The load reads into memory of its own (or a target the state made for it: a fresh Adam's), never into
+        # what the run holds: nothing is applied until every check passed (docs/design.md I13).
         target = {}
         for name, obj in states.items():
             if format.has(metadata, name):
                 target[name] = obj.load_target() if hasattr(obj, "load_target") else obj.state_dict()
+                if not getattr(obj, "target_is_new", False):
+                    target[name] = _apart(target[name])
             elif name in OPTIONAL_STATES:
                 log.warning("%s: no '%s' state in the checkpoint; it starts fresh", path, name)
             else:
@@ -432,26 +440,41 @@ class CheckpointManager:
         others = _hasher.submit(store.verify, path, manifest, lambda name: not name.startswith(f"{format.STATE}/")) \
             if self.comm.is_main else None
         try:
-            format.load(target, src, manifest["files"], metadata, **self._dcp())
-        except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike
-            raise dcp_failure(e, f"loading {path}") from None
-        finally:
-            if others is not None:
-                concurrent.futures.wait([others])
-        if "model" in target:
-            self._check_identity(path, manifest, target["model"])
+            try:
+                format.load(target, src, manifest["files"], metadata, **self._dcp())
+            except format.errors() as e:  # DCP gathered every rank's failure: all of them raise alike
+                raise dcp_failure(e, f"loading {path}") from None
+            finally:
+                if others is not None:
+                    concurrent.futures.wait([others])
+            failed = None
+            if others is not None and others.exception() is not None:
+                e = others.exception()
+                failed = str(e) if isinstance(e, storage.CheckpointError) else f"{path}: cannot be read ({type(e).__name__}: {e})"
+            try:  # on every rank alike, whatever failed above: a sharded state is gathered whole for them (a collective)
+                self._check_identity(path, manifest, target.get("model"))
+                self._check_optimizer(path, manifest, target.get("optimizer"))
+            except storage.CheckpointError as e:
+                failed = failed or str(e)
+            failures = [f for f in self.comm.all_gather(failed) if f]
+            if failures:  # verified before applied: nothing of this checkpoint reached the run's states
+                raise storage.CheckpointError(failures[0])
+        except BaseException:
+            for obj in states.values():
+                if hasattr(obj, "discard_target"):
+                    obj.discard_target()
+            raise
         failed = None
-        if others is not None and others.exception() is not None:
-            e = others.exception()
-            failed = str(e) if isinstance(e, storage.CheckpointError) else f"{path}: cannot be read ({type(e).__name__}: {e})"
         try:
             for name, obj in states.items():
                 if name in target:
                     obj.load_state_dict(target[name])
+                elif name in self._fresh:  # the fallback restores everything it holds, and what it lacks starts fresh
+                    obj.load_state_dict(copy.deepcopy(self._fresh[name]))
             if "rng" in target:
                 rng.restore_blob(target["rng"][str(self.comm.rank)], self.comm.device)
         except Exception as e:  # noqa: BLE001 - what was read does not load (a forged item): unusable, on every rank alike
-            failed = failed or f"{path}: its states do not load ({type(e).__name__}: {e})"
+            failed = f"{path}: its states do not load ({type(e).__name__}: {e})"
         failures = [f for f in self.comm.all_gather(failed) if f]
         if failures:
             raise storage.CheckpointError(failures[0])
@@ -465,13 +488,32 @@ class CheckpointManager:
         manifest's model_sha256 (docs/design.md "One model identity"), else the checkpoint is
         unusable (a metadata that maps a tensor's name to another's bytes, a chunk read twice).
         Sharded states are gathered whole for it, on every rank alike (one all-gather per resume)."""
+        if model is None:
+            return
         if manifest.get("identity") != storage.IDENTITY:
+            if manifest.get("format", 0) >= 3:  # every format-3 manifest was written with it: one without was edited
+                raise storage.CheckpointError(f"{path}: its manifest (format {manifest.get('format')}) records no model identity "
+                                              f"(\"identity\": {storage.IDENTITY}, found {manifest.get('identity')!r}): damaged or "
+                                              f"edited, so what was loaded cannot be checked")
             return  # an earlier release's manifest: its hash is of the dict's order, checked by the tools
         whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sorted(model.items())}
         got = storage.model_sha256(whole, self.meta.architecture)
         if got != manifest.get("model_sha256"):
             raise storage.CheckpointError(f"{path}: the loaded model's identity {got} is not the {manifest.get('model_sha256')} "
                                           f"its manifest recorded at the save: the state files' metadata is damaged")
+
+    def _check_optimizer(self, path: Path, manifest: dict, optimizer: dict | None) -> None:
+        """The optimizer state DCP filled has the identity the manifest recorded at the save
+        (storage.optimizer_sha256), as the model's: else the checkpoint is unusable (one parameter's
+        moments handed to another, the files' hashes rewritten to match). A manifest written before
+        optimizer identities has none to check."""
+        want = manifest.get("optimizer_sha256")
+        if optimizer is None or want is None:
+            return
+        got = storage.optimizer_sha256(storage.optimizer_tensors(optimizer))
+        if got != want:
+            raise storage.CheckpointError(f"{path}: the loaded optimizer state's identity {got} is not the {want} its manifest "
+                                          f"recorded at the save: the state files or their metadata are damaged")
 
     def _loaded(self, path: Path, manifest: dict, t0: float) -> Resumed:
         if self.comm.is_main and path.parent == self.root:
@@ -578,23 +620,28 @@ class CheckpointManager:
         """Every rank: write `snapshot` with DCP into `tmp`; the coordinator publishes it (inside
         DCP's finish, so that any failure there reaches every rank), then prunes."""
         published: list[Path] = []
-        model, half, model_sha = snapshot["model"], None, None
+        model, half, model_sha, opt_sha = snapshot["model"], None, None, None
         whole = all(type(t) is torch.Tensor for t in model.values())
+        opt = storage.optimizer_tensors(snapshot["optimizer"]) if "optimizer" in snapshot else None
         if self.comm.is_main and whole:
             # From the same snapshot, beside the state files' write: the fp16 file and the weights' identity.
             tmp.mkdir(parents=True, exist_ok=True)
             half = _hasher.submit(write_half, tmp / storage.WEIGHTS_FILE, model, background)
             model_sha = _hasher.submit(storage.model_sha256, model, self.meta.architecture)
+        if self.comm.is_main and opt is not None and all(type(t) is torch.Tensor for t in opt.values()):
+            opt_sha = _hasher.submit(storage.optimizer_sha256, opt)
 
         def publish(entries: dict, metadata) -> None:
-            nonlocal half, model_sha
+            nonlocal half, model_sha, opt_sha
             if half is None:  # shards (DTensors): read back whole, once every rank's are on disk
                 whole_model = format.read_tensors(tmp, entries, metadata, "model.")
                 model_sha = _hasher.submit(storage.model_sha256, whole_model, self.meta.architecture)
                 half = _hasher.submit(write_half, tmp / storage.WEIGHTS_FILE, whole_model, background)
+            if opt is not None and opt_sha is None:  # the optimizer's shards, the same way
+                opt_sha = _hasher.submit(storage.optimizer_sha256, format.read_tensors(tmp, entries, metadata, "optimizer.state."))
             self.store.make_durable(self.durable)  # the log up to this step is as durable as this checkpoint (docs/design.md I11)
             manifest = {**snapshot["train"], **self.meta.record(), "model_sha256": model_sha, "identity": storage.IDENTITY,
-                        "created_unix": time.time()}
+                        **({"optimizer_sha256": opt_sha} if opt_sha is not None else {}), "created_unix": time.time()}
             written = {**entries, storage.WEIGHTS_FILE: half}
             final = self.store.publish(step, dict(self.meta.files), manifest, tmp, written)
             self.owned.add(final)
@@ -653,8 +700,21 @@ class CheckpointManager:
 
 _retirer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prune")
 """Deletes pruned checkpoints' files (storage.retire_later); it logs, never raises."""
-_hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-half")
-"""The fp16 weights file and the weights' identity, each in a thread beside the state files' write."""
+_hasher = ThreadPoolExecutor(max_workers=3, thread_name_prefix="ckpt-half")
+"""The fp16 weights file, the weights' identity and the optimizer's, each in a thread beside the state files' write."""
+
+
+def _apart(tree: Any) -> Any:
+    """`tree` with every tensor replaced by an uninitialised one of its kind (shape, dtype, device, a
+    DTensor's placement) and every container by a new one: what a load reads into before anything is
+    checked, so that the run's own states are untouched until they are."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {k: _apart(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_apart(v) for v in tree)
+    return tree
 
 
 def new_run_id() -> str:

@@ -90,11 +90,20 @@ class OptimizerState:
         once, checked before the read; a load that fails leaves no run training on it). DCP's own
         way, a step with zero gradients, allocates and zeroes the gradients and both moments and
         computes a step: about a third of a 26M resume (docs/bench.md). Any other optimizer, or
-        one with state, is DCP's way."""
+        one with state, is DCP's way. `target_is_new`: the target is memory made for the load (the
+        manager reads into it; `discard_target` drops it when the load fails its checks), not the
+        optimizer's live state (which the manager never reads into)."""
         opt = self.optimizer
-        if not opt.state and isinstance(opt, torch.optim.Adam):  # AdamW is an Adam
+        self.target_is_new = not opt.state and isinstance(opt, torch.optim.Adam)  # AdamW is an Adam
+        if self.target_is_new:
             _fresh_adam_state(opt, torch.empty_like)
         return self.state_dict()
+
+    def discard_target(self) -> None:
+        """A load that failed its checks leaves the optimizer as it was: the state load_target made goes."""
+        if getattr(self, "target_is_new", False):
+            self.optimizer.state.clear()
+            self.target_is_new = False
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

@@ -580,6 +580,29 @@ def identity_matches(record: dict, key: str, state_dict: dict[str, torch.Tensor]
     return got == record.get(key), got
 
 
+def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """An optimizer state dict's tensors (`{"state": {param: {key: tensor}}}`, by parameter name) as
+    one flat mapping "<param>.<key>" -> tensor: the form `optimizer_sha256` hashes, and the one DCP's
+    metadata names them by under "optimizer.state." (format.read_tensors)."""
+    return {f"{param}.{key}": v for param, entries in (state.get("state") or {}).items() for key, v in entries.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def optimizer_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The optimizer state's identity (the manifest's "optimizer_sha256"): sha256 over every tensor of
+    `optimizer_tensors` in sorted name order, its name, dtype, shape and bytes as stored. What a resume
+    loaded is checked against it, as the model's identity: a metadata or a file that hands one
+    parameter's moments to another, with the hashes rewritten to match, is refused."""
+    h = hashlib.sha256(b"optimizer-identity 1\n")
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = t.to("cpu").contiguous()
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 class LocalStore:
     """The checkpoints of a run folder on a local (POSIX) filesystem: what CheckpointManager calls
     (checkpoint/remote.py: RemoteStore is its twin in object storage). Each method is this module's

@@ -371,3 +371,130 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_command_that_con
     with pytest.raises(storage.CheckpointError, match=f"earlier layout.*python -m checkpoint convert {tmp_path}"):
         manager(tmp_path).load(states())
     assert old.exists()  # nothing deleted, nothing trained over
+
+
+# ---------------------------------------------------------------- verified before applied (issue 59, item 4)
+def _rng_now() -> tuple:
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
+
+
+@pytest.mark.parametrize("damaged", ["the fp16 weights", "a state file"])
+def test_a_checkpoint_that_fails_its_checks_applies_nothing_to_the_model_optimizer_scaler_or_generators(tmp_path, damaged):
+    """A load checks every file (and the loaded states' identities) before it applies anything: a
+    checkpoint that fails leaves every state as it was, also what the DCP read had already filled."""
+    model, opt = trained_pair(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    mgr = manager(tmp_path, interval=1)
+    model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    mgr.after_step(1, {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "scaler": scaler, "train": Train(1)}, None)
+    mgr.wait()
+    folder = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(1)
+    hurt = folder / (storage.WEIGHTS_FILE if damaged == "the fp16 weights" else "state/__0_0.distcp")
+    data = bytearray(hurt.read_bytes())
+    data[-1] ^= 0x01  # the last byte: all else of the file was read into place before its hash fails
+    hurt.write_bytes(bytes(data))
+    fresh_model, fresh_opt = trained_pair(1)
+    weights = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    fresh_scaler = torch.amp.GradScaler("cpu")
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    generators = _rng_now()
+    st = {"model": ModelState(fresh_model), "optimizer": OptimizerState(fresh_model, fresh_opt), "scaler": fresh_scaler, "train": Train()}
+    with pytest.raises(storage.CheckpointError, match="does not match the manifest"):
+        manager(tmp_path, resume=str(folder)).load(st)
+    assert all(torch.equal(v, weights[k]) for k, v in fresh_model.state_dict().items())
+    assert not fresh_opt.state  # not even the load's own target is left behind
+    assert fresh_scaler.get_scale() == 2.0 ** 16 and st["train"].step == 0
+    assert _rng_now() == generators
+
+
+class Forged:
+    """A state whose item at step 2 does not load (a forged item that passes every hash), as a state
+    applied after the scaler would fail."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        if state["value"] == 2:
+            raise ValueError("a forged item")
+        self.value = state["value"]
+
+
+def test_a_fallback_restores_everything_the_previous_checkpoint_holds_and_an_optional_state_it_lacks_starts_fresh(tmp_path, caplog):
+    """Step 1 was saved without a GradScaler (a bfloat16 run), step 2 with one (the run continued in
+    float16) and a state that does not load: the scaler step 2 set before its failure is not kept by
+    the fallback to step 1, which has none: it starts fresh."""
+    import logging
+
+    mgr = manager(tmp_path, interval=1, keep=5)
+    mgr.after_step(1, {"model": ModelState(torch.nn.Linear(2, 2)), "forged": Forged(1), "train": Train(1)}, None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 5)
+    mgr.after_step(2, {"model": ModelState(torch.nn.Linear(2, 2)), "scaler": scaler, "forged": Forged(2), "train": Train(2)}, None)
+    mgr.wait()
+    fresh = torch.amp.GradScaler("cpu")
+    st = {"model": ModelState(torch.nn.Linear(2, 2)), "scaler": fresh, "forged": Forged(), "train": Train()}
+    with caplog.at_level(logging.WARNING, logger="minimind"):
+        resumed = manager(tmp_path).load(st)
+    assert resumed.step == 1 and st["forged"].value == 1
+    assert "step_00000002: its states do not load" in caplog.text
+    assert fresh.get_scale() == 2.0 ** 16  # fresh: not step 2's 32
+
+
+def test_a_format_3_manifest_without_its_identity_is_a_damaged_checkpoint_and_falls_back_naming_it(tmp_path, caplog):
+    run_steps(manager(tmp_path, interval=1, keep=5), states(), 2)
+    path = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(2) / storage.MANIFEST
+    body = json.loads(path.read_text())
+    assert body["format"] == 3
+    del body["identity"]
+    path.write_text(json.dumps(body))
+    st = states()
+    resumed = manager(tmp_path).load(st)
+    assert resumed.step == 1 and st["counter"].value == 10
+    assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text and "records no model identity" in caplog.text
+
+
+def test_an_optimizer_state_whose_moments_were_swapped_with_the_files_hash_rewritten_is_refused_and_falls_back(tmp_path, caplog):
+    import hashlib
+
+    from checkpoint.format import METADATA, read_metadata
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))  # two moments of one shape
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    st = {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train": Train()}
+    mgr = manager(tmp_path, interval=1, keep=5)
+    for step in (1, 2):
+        model(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        st["train"].step = step
+        mgr.after_step(step, st, None)
+        if step == 1:
+            want = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    mgr.wait()
+    folder = tmp_path / runfolder.CHECKPOINTS / storage.step_dir_name(2)
+    manifest = json.loads((folder / storage.MANIFEST).read_text())
+    assert len(manifest["optimizer_sha256"]) == 64
+    md = read_metadata((folder / "state" / METADATA).read_bytes(), folder / "state" / METADATA)
+    where = {k.fqn: v for k, v in md.storage_data.items()}
+    a, b = where["optimizer.state.0.weight.exp_avg"], where["optimizer.state.1.weight.exp_avg"]
+    assert a.length == b.length
+    files = {f"state/{x.relative_path}": bytearray((folder / "state" / x.relative_path).read_bytes()) for x in (a, b)}
+    bytes_a = files[f"state/{a.relative_path}"][a.offset:a.offset + a.length]
+    bytes_b = files[f"state/{b.relative_path}"][b.offset:b.offset + b.length]
+    files[f"state/{a.relative_path}"][a.offset:a.offset + a.length] = bytes_b
+    files[f"state/{b.relative_path}"][b.offset:b.offset + b.length] = bytes_a
+    for name, data in files.items():  # each file verifies; the two moments are swapped
+        (folder / name).write_bytes(bytes(data))
+        manifest["files"][name]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (folder / storage.MANIFEST).write_text(json.dumps(manifest))
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    resumed = manager(tmp_path).load({"model": ModelState(fresh), "optimizer": OptimizerState(fresh, fresh_opt), "train": Train()})
+    assert resumed.step == 1
+    assert "step_00000002" in caplog.text and "the loaded optimizer state's identity" in caplog.text
+    assert all(torch.equal(fresh_opt.state[fresh[0].weight][k], v) for k, v in want.items())
