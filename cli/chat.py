@@ -37,9 +37,9 @@ def chat_reply(model, tok, messages: list[dict], max_new_tokens: int | None = No
 
 def run(args: argparse.Namespace) -> int:
     """`chat RUN [--prompt TEXT]`: one turn, or a conversation on the terminal."""
-    from weights import load_model, load_tokenizer
+    from weights import load_model_and_tokenizer
 
-    model, tok = load_model(args.path), load_tokenizer(args.path)
+    model, tok = load_model_and_tokenizer(args.path)
     messages = [{"role": "system", "content": args.system}] if args.system else []
 
     def reply(text: str) -> str:

@@ -35,10 +35,11 @@ def generate_text(model, prompt: str, max_new_tokens: int | None = None, tempera
 
 
 def run(args: argparse.Namespace) -> int:
-    from weights import load_model, load_tokenizer
+    from weights import load_model_and_tokenizer
 
+    model, tok = load_model_and_tokenizer(args.path)
     try:
-        print(generate_text(load_model(args.path), args.prompt, args.tokens, args.temperature, args.seed, load_tokenizer(args.path),
+        print(generate_text(model, args.prompt, args.tokens, args.temperature, args.seed, tok,
                             args.top_k, args.top_p, args.repetition_penalty, not args.no_cache))
     except ValueError as err:  # a request the model cannot serve (past its positions)
         raise CommandError(f"generate: {err}") from None

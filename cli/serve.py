@@ -594,9 +594,9 @@ def run(args) -> int:
     if args.slots < 1 or args.queue < 0:
         raise CommandError(f"--slots must be >= 1 and --queue >= 0, got {args.slots} and {args.queue}")
     api_key = api_key_of(args)
-    from weights import load_model, load_tokenizer
+    from weights import load_model_and_tokenizer
 
-    model, tok = load_model(args.path), load_tokenizer(args.path)
+    model, tok = load_model_and_tokenizer(args.path)
     from data.chat import template_of
 
     template_of(tok)  # a tokenizer without a chat template: said now, not at the first request

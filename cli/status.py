@@ -232,7 +232,7 @@ def sample_line(run: Path) -> str:
 
         from data.chat import template_of
         from model.generate import DEFAULTS, generate_ids
-        from weights import load_model, load_tokenizer
+        from weights import load_model_and_tokenizer
 
         config = yaml.safe_load((run / folder.CONFIG).read_text())
         prompt = (config.get("log") or {}).get("sample_prompt", "auto")
@@ -241,7 +241,7 @@ def sample_line(run: Path) -> str:
             prompt = AUTO_PROMPTS["text" if text else "chat"]
         if not prompt:
             return "[sample] (log.sample_prompt is empty: none)"
-        model, tok = load_model(run), load_tokenizer(run)
+        model, tok = load_model_and_tokenizer(run)
         ids = tok.encode(prompt, bos=True) if text else \
             tok.encode_rendered(template_of(tok).render([{"role": "user", "content": prompt}], add_generation_prompt=True))
         room = min(40, model.cfg.seq_len - len(ids))  # what the model's positions leave

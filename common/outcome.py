@@ -57,6 +57,15 @@ class RankFailed(Exception):
         return self.message if my_rank == self.rank else f"rank {self.rank} failed{where}: {self.message}"
 
 
+def describe_os_error(e: OSError) -> str:
+    """An I/O error in one line naming its path (and the second path of a rename): "PATH: Read-only
+    file system". Every OSError that is not a BadInput is a failure, exit 1, whatever its errno
+    (read-only, permission denied, EIO, a full disk): the path the input named is checked for what
+    makes it bad input (a file where a folder goes) before the I/O that could fail."""
+    name = f"{e.filename}{f' -> {e.filename2}' if getattr(e, 'filename2', None) else ''}: " if e.filename else ""
+    return f"{name}{e.strerror or e}"
+
+
 def outcome_of(exc: BaseException | None, my_rank: int = 0) -> str:
     """The outcome of a rank that ended with `exc` (None: it ran to its end, "finished")."""
     if exc is None:
@@ -97,7 +106,7 @@ def command(main, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return exit_code("failed")
     except OSError as e:
-        print(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return exit_code("failed")
     # stdout's reader is gone: point stdout at /dev/null so that the interpreter's last flush is quiet
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,7 +80,25 @@ def parse_mix(entries: list, fmt: str = "text") -> list[Source]:
         out[name] = Source(name, str(e["path"]), float(weight), form)
     if not out:
         raise ValueError("data.mix: an empty list (leave it out to read data.path)")
+    names = list(out)  # in the list's order: data.mix[i]
+    largest = max(src.weight for src in out.values())
+    for i, share in enumerate(normalize([src.weight for src in out.values()])):
+        if not share > 0:
+            raise ValueError(f"data.mix[{i}].weight: {out[names[i]].weight!r} beside the largest weight {largest!r}: its share of "
+                             f"the sum underflows to 0, so source {names[i]!r} would never be drawn; expected weights within a "
+                             f"factor of 1e300 of each other")
     return [out[k] for k in sorted(out)]
+
+
+def normalize(weights: list[float]) -> list[float]:
+    """The weights divided by their sum, for any finite weights > 0: scaled first by the power of two
+    that brings the largest into [0.5, 1) (exact: no bit of any weight changes), so the sum cannot
+    overflow (1e308 + 9e307 is 1.9e308, past a float's 1.8e308) and the shares are the bits `w / sum(w)`
+    gives wherever that sum is finite."""
+    scale = 2.0 ** -math.frexp(max(weights))[1]
+    scaled = [w * scale for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
 
 
 def dropped(spec: str) -> set[str]:
@@ -93,8 +112,7 @@ class MixOrder:
 
     def __init__(self, names: list[str], sizes: list[int], weights: list[float], seed: int, kind: str, global_batch: int) -> None:
         self.names, self.sizes, self.seed, self.kind, self.g = names, sizes, seed, kind, global_batch
-        total = sum(weights)
-        self.weights = [w / total for w in weights]
+        self.weights = normalize(weights)
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self.base_step, self.base = 0, [0] * len(names)
         self.dropped: dict[str, int] = {}  # sources an earlier phase dropped, with their counts (named again: they go on from there)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from checkpoint.storage import CHECKPOINTS
 from common.files import atomic_write
-from common.outcome import BadInput, exit_code
+from common.outcome import BadInput, Failed, describe_os_error, exit_code, outcome_of
 from common.store import Lease, RemotePath, StoreError, StoreRefused, is_url, parse
 
 log = logging.getLogger("minimind")
@@ -161,6 +161,9 @@ def _other_kind(out_dir: Path, name: str) -> str | None:
 def _open_lock_file(out_dir: Path, name: str = LOCK) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise RunFolderError(f"out_dir={out_dir} is a regular file, not a folder (expected a run folder or a new path)")
+    above = next((p for p in out_dir.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():  # the path itself is wrong (bad input); anything else that fails below is I/O
+        raise RunFolderError(f"out_dir={out_dir} cannot be a folder: {above} is a file (expected a run folder or a new path)")
     if (out_dir / CHECKPOINTS).is_symlink():
         # Listing, pruning and publishing never follow links (docs/design.md I13): through a link this
         # run would see no checkpoint, start fresh and write over the ones at the other end.
@@ -227,9 +230,9 @@ def acquire(out_dir: Path, timeout_s: float, poll_s: float = 0.2, name: str = LO
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: an I/O failure (exit 1)
                 os.close(fd)
-                raise RunFolderError(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see docs/run_folder.md") from None
+                raise Failed(f"{out_dir / LOCK}: cannot be locked ({e.strerror}); see docs/run_folder.md") from None
         holder = describe_holder(read_holder(out_dir, name))
         if time.monotonic() >= end:
             os.close(fd)
@@ -376,13 +379,11 @@ def take(out_dir: Path, timeout_s: float, comm, name: str = LOCK) -> RunLock | N
         try:
             lock = acquire(out_dir, timeout_s, name=name)
             write_status(lock.out_dir, "running")
-        except (RunFolderError, StoreRefused, OSError) as e:
-            outcome = (str(e), True)
-        except StoreError as e:  # the store did not answer (after its retries): a failure, exit 1
-            outcome = (str(e), False)
+        except (BadInput, Failed, OSError) as e:  # a held folder or a bad path: 2; I/O (read-only, permission, EIO): 1
+            outcome = (describe_os_error(e) if isinstance(e, OSError) else str(e), outcome_of(e) == "bad_input")
     outcome = comm.broadcast(outcome)
     if outcome:
         if lock is not None:
             lock.release()
-        raise RunFolderError(outcome[0]) if outcome[1] else StoreError(outcome[0])
+        raise RunFolderError(outcome[0]) if outcome[1] else Failed(outcome[0])
     return lock

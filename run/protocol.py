@@ -22,7 +22,7 @@ import os
 import socket
 import traceback
 
-from common.outcome import BadInput, Failed, RankFailed, Stopped, known, outcome_of
+from common.outcome import BadInput, Failed, RankFailed, Stopped, describe_os_error, known, outcome_of
 
 log = logging.getLogger("minimind")
 
@@ -33,8 +33,7 @@ def describe(e: BaseException) -> str:
     if isinstance(e, RankFailed):
         return e.message
     if isinstance(e, OSError) and not isinstance(e, BadInput):
-        name = f"{e.filename}: " if e.filename else ""
-        return f"{name}{e.strerror or e}"
+        return describe_os_error(e)
     if isinstance(e, (BadInput, Failed)):
         return str(e)
     return f"{type(e).__name__}: {e}"

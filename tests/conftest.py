@@ -34,6 +34,27 @@ if "torch" not in sys.modules:
     for _key, _value in PORTABLE_KERNELS.items():
         os.environ.setdefault(_key, _value)
 
+MINIMIND_SHARED = Path(os.environ.get("MINIMIND_SHARED") or ROOT.parent / "shared" / "minimind")
+"""MiniMind's own files, the referee the comparisons run against (its tokenizer, and its code in upstream/, run
+only from scratch copies): ../shared/minimind beside the repository, or where MINIMIND_SHARED says."""
+
+
+def needs_referee(path: Path, what: str):
+    """The mark of a test that compares with MiniMind's own `path` (`what` names it): where it is missing
+    the test skips, except under CI=true, where it fails (a comparison that did not run proves nothing:
+    pytest_runtest_setup below)."""
+    return pytest.mark.referee(path=str(path), what=what)
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("referee"):
+        if not Path(mark.kwargs["path"]).exists():
+            why = f"{mark.kwargs['what']} is not at {mark.kwargs['path']} (the shared inputs: MINIMIND_SHARED)"
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"{why}; CI=true needs the referee: a comparison that did not run proves nothing", pytrace=False)
+            pytest.skip(why)
+
+
 UNIT_STEP_LIMIT = 8
 """The most optimizer steps a unit test may train in this process (docs/tests.md, "Tiers")."""
 
@@ -58,6 +79,19 @@ def unit_tests_start_no_process_and_train_a_few_steps_at_most(request, monkeypat
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     monkeypatch.setattr(launch, "STEP_LIMIT", UNIT_STEP_LIMIT)
     yield
+
+
+@pytest.fixture(scope="session")
+def matplotlib_ready():
+    """matplotlib imported for the session before any test's guard is in place (a session fixture is
+    set up before the function-scoped guard above). Its first import on a machine builds the font
+    cache by running `fc-list`: a process the library starts once for itself, not one the test
+    starts, so a unit test that draws (in this process) requests this fixture rather than being moved
+    out of its tier, and a fresh machine passes the unit tier as a warm one does."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401 - the font cache, built or read here
+    return matplotlib
 
 
 @pytest.fixture(autouse=True)

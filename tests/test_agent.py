@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import launch
+from conftest import needs_referee
 from test_tokenizers import MINIMIND, needs_minimind
 
 UPSTREAM = MINIMIND.parent / "upstream" / "trainer" / "train_agent.py"
-needs_upstream = pytest.mark.skipif(not UPSTREAM.is_file(), reason=f"MiniMind's train_agent.py is not at {UPSTREAM}")
+needs_upstream = needs_referee(UPSTREAM, "MiniMind's train_agent.py")
 
 
 def minimind_agent_module(scratch: Path):

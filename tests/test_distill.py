@@ -15,10 +15,11 @@ import launch
 from objectives.distill import TopK
 from objectives.tables import Table, TableFiles, read_verified
 from run.metrics import TIMING
+from conftest import MINIMIND_SHARED
 from test_models import needs_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = ROOT.parent / "shared" / "minimind" / "upstream"
+UPSTREAM = MINIMIND_SHARED / "upstream"
 # MiniMind-3's dense shape, small (q/k norms, head_dim 16 != dim / heads, eps 1e-6), the student.
 STUDENT = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16", "model.qk_norm=true",
            "model.hidden_dim=96", "model.norm_eps=1e-6"]
@@ -451,7 +452,7 @@ def test_our_loss_on_one_row_is_minimind_s_distillation_loss_and_ce_kl_combinati
 
 
 @pytest.mark.unit
-def test_plot_draws_the_distillation_figures_given_as_keys_and_refuses_one_the_run_does_not_log(tmp_path):
+def test_plot_draws_the_distillation_figures_given_as_keys_and_refuses_one_the_run_does_not_log(tmp_path, matplotlib_ready):
     from run import folder
     from test_edges import cli
 

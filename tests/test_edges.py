@@ -55,14 +55,17 @@ def test_generate_refuses_settings_outside_their_range_and_a_prompt_past_the_con
     assert code == 2 and expected in err and "Traceback" not in err and out == ""
 
 
-def test_the_tools_name_the_checkpoint_they_used_and_a_newer_one_skipped_as_damaged(tmp_path, halted):
+def test_the_tools_name_the_checkpoint_they_used_and_a_newer_one_skipped_as_damaged_once_each(tmp_path, halted):
     run = tmp_path / "run"
     shutil.copytree(halted, run)
     (run / "checkpoints" / "step_00000008" / "state" / "__0_0.distcp").write_bytes(b"damaged")
-    for args in (["inspect", run], ["generate", run, "--tokens", "4"], ["export", run, "--format", "minimind", "--out", tmp_path / "w.pth"]):
+    for args in (["inspect", run], ["generate", run, "--tokens", "4"], ["chat", run, "--prompt", "hi", "--tokens", "4"],
+                 ["export", run, "--format", "minimind", "--out", tmp_path / "w.pth"], ["status", run, "--exit-code", "--sample"]):
         code, _, err = cli(*args)
         assert code == 0, err
-        assert "using checkpoint step 4: " in err and "skipped checkpoint step 8, newer than the one used" in err, args[0]
+        # once each: the model and the tokenizer come from the one checkpoint found once (weights.load_model_and_tokenizer)
+        assert err.count("using checkpoint step 4: ") == 1, (args[0], err)
+        assert err.count("skipped checkpoint step 8, newer than the one used") == 1, (args[0], err)
 
 
 def test_a_manifest_whose_config_describes_another_model_is_a_message_not_a_size_mismatch(tmp_path, halted):

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,9 @@ def test_export_peft_names_its_base_relative_to_the_adapter_folder_or_as_given_n
 
 
 @pytest.mark.e2e
-def test_a_peft_adapter_exported_with_its_base_loads_through_autopeftmodel_after_the_folder_moves(lora_runs, tmp_path, monkeypatch):
-    from peft import AutoPeftModelForCausalLM
+def test_a_peft_adapter_exported_with_its_base_loads_after_the_folder_moves_from_any_working_directory_as_the_docs_say(
+        lora_runs, tmp_path):
+    import re
 
     import weights
 
@@ -131,9 +133,13 @@ def test_a_peft_adapter_exported_with_its_base_loads_through_autopeftmodel_after
     shutil.rmtree(tmp_path / "made")
     config = json.loads((moved / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "base" and (moved / "base" / "config.json").is_file()
-    # PEFT reads base_model_name_or_path from the working directory: the folder's own, not this repository's
-    monkeypatch.chdir(moved)
-    model = AutoPeftModelForCausalLM.from_pretrained(str(moved), dtype=torch.float32).eval()
+    # docs/lora.md's lines, as written, with OUT where the folder now is; the working directory stays the test's
+    lines = re.search(r"```python\n(.*?PeftModel\.from_pretrained.*?)```", (launch.ROOT / "docs" / "lora.md").read_text(), re.S).group(1)
+    lines = re.sub(r'^\s*OUT = ".*"', f"OUT = {str(moved)!r}", textwrap.dedent(lines), flags=re.M)
+    assert os.getcwd() != str(moved) and f"OUT = {str(moved)!r}" in lines
+    scope: dict = {}
+    exec(lines, scope)
+    model = scope["model"].float().eval()
     ours = weights.load_model(lora_runs / "lora", fp32=True)
     ids = torch.randint(0, ours.cfg.vocab_size, (2, ours.cfg.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

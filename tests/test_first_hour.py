@@ -286,3 +286,37 @@ def test_status_of_a_folder_that_holds_no_run_is_bad_input_naming_what_a_run_fol
     assert cli.main(["status", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path}: not a run folder (none of .lock, status.json, config.yaml, metrics.jsonl, checkpoints in it)" in err, err
+
+
+# ---------------------------------------------------------------------------------------------- a fresh machine
+@pytest.mark.e2e
+def test_the_unit_tier_draws_on_a_machine_where_matplotlib_never_ran(tmp_path):
+    """matplotlib's first import on a machine runs `fc-list` to build its font cache; the unit tier's
+    guard refuses a process a test starts, so the drawing unit tests get matplotlib from a session
+    fixture (conftest.py: matplotlib_ready) set up before the guard. An empty MPLCONFIGDIR is that
+    fresh machine."""
+    fresh = tmp_path / "mplconfig"
+    fresh.mkdir()
+    proc = subprocess.run([launch.PY, "-m", "pytest", "tests/test_distill.py", "-m", "unit", "-k", "plot", "-q", "-p", "no:xdist",
+                           "-p", "no:cacheprovider"], cwd=launch.ROOT, capture_output=True, text=True, timeout=300,
+                          env={**launch.os.environ, "MPLCONFIGDIR": str(fresh)})
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    assert list(fresh.glob("fontlist-*.json")), "the font cache was not built here: this was not a fresh machine"
+
+
+@pytest.mark.e2e
+def test_the_referee_tests_fail_under_ci_where_minimind_s_code_is_missing_and_skip_elsewhere(tmp_path):
+    """The comparisons with MiniMind's own code (PPO's, the agent's, its model's; conftest.needs_referee)
+    cannot pass by not running in CI: MINIMIND_SHARED pointed at nothing is a machine without them."""
+    def run(ci: str) -> str:
+        env = {k: v for k, v in launch.os.environ.items() if k != "CI"}
+        proc = subprocess.run([launch.PY, "-m", "pytest", "tests/test_ppo.py", "tests/test_agent.py", "tests/test_models.py", "-m", "referee",
+                               "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rfs"], cwd=launch.ROOT, capture_output=True, text=True,
+                              timeout=300, env={**env, "MINIMIND_SHARED": str(tmp_path / "nothing"), **({"CI": ci} if ci else {})})
+        return proc.stdout
+
+    ci, plain = run("true"), run("")
+    failed = re.search(r"(\d+) errors?", ci)  # failed in set-up: the suite fails
+    assert failed and int(failed.group(1)) >= 4 and " passed" not in ci and "skipped" not in ci, ci[-3000:]
+    assert "MiniMind's train_ppo.py is not at" in ci and "MiniMind's train_agent.py is not at" in ci and "CI=true needs the referee" in ci
+    assert re.search(rf"{failed.group(1)} skipped", plain) and " failed" not in plain and " passed" not in plain, plain[-3000:]

@@ -9,13 +9,13 @@ import subprocess
 import pytest
 
 import launch
+from conftest import MINIMIND_SHARED, needs_referee
 
-UPSTREAM = launch.ROOT.parent / "shared" / "minimind" / "upstream" / "trainer" / "train_pretrain.py"
-CI = os.environ.get("CI") == "true"
+UPSTREAM = MINIMIND_SHARED / "upstream" / "trainer" / "train_pretrain.py"
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not UPSTREAM.is_file() and not CI, reason=f"MiniMind's trainer is not at {UPSTREAM}")
+@needs_referee(UPSTREAM, "MiniMind's train_pretrain.py")
 def test_the_gpu_checks_peer_and_determinism_groups_run_on_the_cpu_beside_minimind_s_own_trainer(tmp_path):
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-dry-run", "--only", "determinism", "peer"], cwd=launch.ROOT,
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OUT": str(tmp_path)})

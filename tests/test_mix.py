@@ -53,6 +53,17 @@ def test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_it
 
 
 @pytest.mark.unit
+def test_weights_whose_sum_overflows_a_float_are_normalized_to_their_shares_and_interleave_as_those_shares_do():
+    big = MixOrder(["a", "b"], [100, 70], [1e308, 9e307], seed=5, kind="randperm", global_batch=4)
+    assert big.weights == pytest.approx([10 / 19, 9 / 19], rel=1e-15)  # the sum, 1.9e308, is past a float's largest: not 0 and 0
+    small = MixOrder(["a", "b"], [100, 70], [10.0, 9.0], seed=5, kind="randperm", global_batch=4)
+    assert [big.step_samples(s) for s in range(20)] == [small.step_samples(s) for s in range(20)]
+    from data.mix import normalize
+
+    assert normalize([0.1, 0.2, 0.7]) == [w / sum([0.1, 0.2, 0.7]) for w in (0.1, 0.2, 0.7)]  # a finite sum: the same bits as before
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("entry, match", [
     ("{path: x.jsonl, weight: 0, name: a}", r"data.mix\[0\].weight: expected a number > 0, got 0"),
     ("{path: x.jsonl, weight: -1, name: a}", r"data.mix\[0\].weight: expected a number > 0, got -1"),
@@ -62,6 +73,8 @@ def test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_it
     ("{path: x.jsonl, name: a, format: chat}", r"data.mix\[0\].format: 'chat'"),
     ("{path: x.jsonl, name: a, size: 3}", r"data.mix\[0\]: unknown key 'size'"),
     ("{path: x.jsonl, name: a, weight: 1e-3}", r"x.jsonl"),  # YAML 1.1's string '1e-3' read as the number: the path is what fails
+    ("{path: x.jsonl, name: a, weight: 1e308}, {path: y.jsonl, name: b, weight: 1e-300}",
+     r"data.mix\[1\].weight: 1e-300 beside the largest weight 1e\+308: its share of the sum underflows to 0"),
 ])
 def test_a_bad_mix_exits_2_naming_the_key(tmp_path, entry, match):
     code, err = launch.in_process(f"data.mix=[{entry}]", f"out_dir={tmp_path}")
@@ -213,3 +226,22 @@ def test_a_mix_of_one_source_is_the_run_on_that_corpus(tmp_path, args, corpus, f
     launch.assert_identical(mixed, plain)
     # float64 row sums against the step's float32 loss: 5.2e-7 apart at most measured on text, 10x allowed
     assert all(abs(m["loss/only"] - m["loss"]) < 5e-6 for m in launch.metrics(mixed))
+
+
+@pytest.mark.unit
+def test_the_command_line_form_of_data_mix_the_docs_show_is_the_list_a_config_file_gives():
+    import re
+    import shlex
+
+    from configs import load_config
+
+    text = (launch.ROOT / "docs" / "data.md").read_text()
+    command = next(line for line in text.splitlines() if line.startswith("bash scripts/train.sh 'data.mix="))
+    overrides = [a for a in shlex.split(command)[2:] if not a.startswith("out_dir=")]
+    assert re.search(r"^```bash\n" + re.escape(command) + r"\n```", text, re.M)  # a bash block: tests/test_docs.py runs it as written
+    cfg = load_config(launch.ROOT / "configs" / "tiny.yaml", overrides)
+    assert cfg.data.mix == [{"path": "pretrain.jsonl", "weight": 3, "name": "web"},
+                            {"path": "corpus/*.jsonl.gz", "weight": 1, "name": "books"}]
+    from data.mix import parse_mix
+
+    assert [(s.name, s.weight) for s in parse_mix(cfg.data.mix)] == [("books", 1.0), ("web", 3.0)]

@@ -15,14 +15,15 @@ import pytest
 import torch
 
 import launch
+from conftest import MINIMIND_SHARED, needs_referee
 from model import MiniMindLM, ModelConfig
 from model.config import MoEConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = ROOT.parent / "shared" / "minimind" / "upstream" / "model" / "model_minimind.py"
+UPSTREAM = MINIMIND_SHARED / "upstream" / "model" / "model_minimind.py"
 TRANSFORMERS_4 = ROOT / ".venv" / "transformers-4.57"
 CI = os.environ.get("CI") == "true"
-needs_upstream = pytest.mark.skipif(not UPSTREAM.is_file() and not CI, reason=f"MiniMind's code is not at {UPSTREAM} (the shared inputs)")
+needs_upstream = needs_referee(UPSTREAM, "MiniMind's model code")
 
 # MiniMind-3's shape, small: q/k norms, head_dim 16 != dim / heads, 4 KV heads, eps 1e-6, FFN ceil(dim * pi / 64) * 64
 QWEN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=24", "model.qk_norm=true",

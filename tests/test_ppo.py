@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import MINIMIND_SHARED, needs_referee
 from test_grpo import task  # noqa: F401  (the prompts and rewards fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = ROOT.parent / "shared" / "minimind" / "upstream" / "trainer" / "train_ppo.py"
-needs_upstream = pytest.mark.skipif(not UPSTREAM.is_file(), reason=f"MiniMind's code is not at {UPSTREAM} (the shared inputs)")
+UPSTREAM = MINIMIND_SHARED / "upstream" / "trainer" / "train_ppo.py"
+needs_upstream = needs_referee(UPSTREAM, "MiniMind's train_ppo.py")
 
 
 def cut(source: str, first: str, last: str) -> str:

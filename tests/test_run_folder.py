@@ -315,3 +315,45 @@ def test_a_stop_before_the_run_is_under_way_makes_scripts_train_sh_exit_75_with_
     else:
         assert "during set-up: nothing to save" in log
         assert not list(out.glob("checkpoints/*")) and not (out / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- an out_dir the run cannot write: an I/O failure, exit 1
+def unwritable(kind: str, folder) -> list[str]:
+    """The command prefix under which `folder` cannot be written, by a real cause: "read-only" bind-
+    mounts it read-only in a mount namespace of the command's own (EROFS, as a read-only disk gives);
+    "denied" takes its write permission away (chmod 555) and, for root, the capability that ignores
+    permissions (EACCES). Where this machine cannot do it the test skips, except under CI=true."""
+    if kind == "read-only":
+        prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                  'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"', str(folder)]
+    else:
+        folder.chmod(0o555)
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    probe = subprocess.run([*prefix, "sh", "-c", f'touch "{folder}/.probe"'], capture_output=True, text=True)
+    if probe.returncode == 0 or not any(w in probe.stderr for w in ("Read-only", "Permission denied")):
+        (folder / ".probe").unlink(missing_ok=True)
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"cannot make {folder} {kind} here: {probe.stderr.strip()}")
+        pytest.skip(f"cannot make {folder} {kind} here: {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.mark.parametrize("kind", ["read-only", "denied"])
+@pytest.mark.parametrize("held", [False, True], ids=["empty", "held-a-run"])
+@pytest.mark.parametrize("launcher", ["train.py", "scripts/train.sh"])
+def test_an_out_dir_that_cannot_be_written_is_an_io_failure_exit_1_naming_the_path_in_the_trainer_and_the_launcher(
+        tmp_path, tiny, halted, kind, held, launcher):
+    out = copy_of(halted, tmp_path) if held else tmp_path / "run"
+    out.mkdir(exist_ok=True)
+    before = snapshot(out)
+    try:
+        prefix = unwritable(kind, out)
+        command = [launch.PY, "train.py"] if launcher == "train.py" else ["bash", "scripts/train.sh", "--nproc", "1"]
+        proc = subprocess.run([*prefix, *command, *tiny, "train.steps=12", f"out_dir={out}"], cwd=launch.ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "VIRTUAL_ENV": str(launch.ROOT / ".venv")})
+    finally:
+        out.chmod(0o755)
+    cause = "Read-only file system" if kind == "read-only" else "Permission denied"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"{out / runfolder.LOCK}: {cause}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and snapshot(out) == before

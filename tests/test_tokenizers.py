@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 import launch
-from conftest import train_cli
+from conftest import MINIMIND_SHARED, needs_referee, train_cli
 from checkpoint import storage
 from run import folder as runfolder
 from data import PackedDataset, pack
 from data import tokenizer as tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
-MINIMIND = ROOT.parent / "shared" / "minimind" / "tokenizer.json"
-needs_minimind = pytest.mark.skipif(not MINIMIND.is_file(), reason=f"MiniMind's tokenizer is not at {MINIMIND} (the shared inputs)")
+MINIMIND = MINIMIND_SHARED / "tokenizer.json"
+needs_minimind = needs_referee(MINIMIND, "MiniMind's tokenizer")
 
 
 @needs_minimind

@@ -31,6 +31,14 @@ def load_tokenizer(path: Path):
         raise storage.CheckpointError(str(e)) from None
 
 
+def load_model_and_tokenizer(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                             fp32: bool = False) -> tuple[MiniMindLM, object]:
+    """A tool's model and tokenizer from one checkpoint: a run folder's newest is found once (and named
+    once in the log), so both come from the same step even while the run publishes a newer one."""
+    folder = storage.find_checkpoint(path)[0]
+    return load_model(folder, device, dtype, fp32), load_tokenizer(folder)
+
+
 def fp16_weights(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """A checkpoint's fp16 weights file, read once and verified: the safetensors file (format 3; a
     tensor written once under two names given back under both) or a format-2 checkpoint's
