@@ -188,7 +188,7 @@ class RemoteStore:
             for name, obj in files.items():
                 entries[name] = write_file(tmp / name, obj)
             manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}
-            body = {"format": storage.FORMAT, **manifest, "step": step, "files": entries, "objects": tmp.name}
+            body = {**storage.sign({"format": storage.FORMAT, **manifest, "step": step, "files": entries}), "objects": tmp.name}
             if self.store.lease is not None:
                 self.store.lease.check()  # a writer that lost the folder publishes nothing
             data = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()

@@ -12,6 +12,7 @@ killed at any moment leaves either the complete new checkpoint or nothing that i
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -121,7 +122,7 @@ def publish(root: Path, step: int, files: dict[str, Any], manifest: dict, tmp: P
             for done in fsyncs:
                 done.result()  # every file is on disk before the manifest vouches for it
         manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}
-        body = {"format": FORMAT, **manifest, "step": step, "files": entries}
+        body = sign({"format": FORMAT, **manifest, "step": step, "files": entries})
         write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         fsync_path(tmp)
         if final.exists() or final.is_symlink():
@@ -370,6 +371,49 @@ def read_manifest(folder: Path) -> dict:
     return check_manifest(body, path, folder.name, folder)
 
 
+KEY_VARIABLE = "MINIMIND_CHECKPOINT_KEY"
+"""The environment variable that holds the key of signed checkpoints (never a config value or an argument:
+those are written into every manifest and shown by `ps`; the key is never logged or written)."""
+MAC = "mac"
+"""The manifest field that holds "hmac-sha256:<hex>" of the manifest's content, when a key is set."""
+UNSIGNED = (MAC, "objects")
+"""What the MAC does not cover: itself, and in object storage where the save's files lie (a downloaded copy
+drops it; every file is still checked against the sha256 the signed content lists)."""
+
+
+def signing_key() -> bytes | None:
+    """The key from MINIMIND_CHECKPOINT_KEY, or None when it is unset or empty (nothing is signed or checked)."""
+    key = os.environ.get(KEY_VARIABLE, "")
+    return key.encode("utf-8") if key else None
+
+
+def mac_of(body: dict, key: bytes) -> str:
+    """HMAC-SHA256 of a manifest's content: every field but UNSIGNED, as sorted compact JSON."""
+    content = json.dumps({k: v for k, v in body.items() if k not in UNSIGNED}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "hmac-sha256:" + hmac.new(key, content.encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def sign(body: dict) -> dict:
+    """`body` with its MAC when a key is set (docs/run_folder.md, "Signed checkpoints"); as it is without one."""
+    key = signing_key()
+    if key is None:
+        return body
+    body = json.loads(json.dumps(body))  # the content as it will be read back (tuples as lists): what the reader hashes
+    return {**body, MAC: mac_of(body, key)}
+
+
+def check_mac(body: dict, path) -> None:
+    """With a key set, a manifest whose MAC is missing or is not its content's under that key is refused
+    (CheckpointError: a run falls back, a tool exits 1, naming the manifest); without one, nothing is checked."""
+    key = signing_key()
+    if key is None:
+        return
+    got = body.get(MAC)
+    if not isinstance(got, str) or not hmac.compare_digest(got, mac_of(body, key)):
+        why = "carries no MAC (written without a key)" if got is None else "has a MAC that is not its content's under this key (edited, or signed with another key)"
+        raise CheckpointError(f"{path}: {why}; with {KEY_VARIABLE} set only manifests signed with that key are loaded")
+
+
 def check_manifest(body, path, name: str, folder=None) -> dict:
     """A parsed manifest (at `path`, of the step folder called `name`) checked: a checkpoint
     manifest of a format this trainer reads, listing only its own plain file names, of its folder's step."""
@@ -380,6 +424,7 @@ def check_manifest(body, path, name: str, folder=None) -> dict:
                         f"no longer loads; convert it once, in place (nothing is deleted): {CONVERT} {folder.parent.parent}")
     if body.get("format") not in READS:
         raise CheckpointError(f"{path}: manifest format {body.get('format')!r}; this trainer reads formats {', '.join(map(str, READS))}")
+    check_mac(body, path)
     for name_, entry in body["files"].items():
         # Confined to its folder: plain names of the files this trainer writes, nothing else.
         if name_ not in FILES and not STATE_NAME.match(name_):

@@ -42,6 +42,7 @@ def inspect_checkpoint(path: Path, manifest: dict) -> dict:
         "run_id": manifest.get("run_id"),
         "model_sha256": sha,
         "identity": manifest.get("identity", 1),
+        "signed": storage.MAC in manifest,
         "manifest_model_sha256_matches": same,
         "parameters": MiniMindLM(cfg).num_parameters(),
         "optimizer_state_bytes": format.tensor_bytes(metadata, "optimizer.state."),

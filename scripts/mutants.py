@@ -217,11 +217,11 @@ MUTANTS = (
            "checkpoint/storage.py",
            "        finally:\n            for done in fsyncs:\n                done.result()  # every file is on disk before the manifest vouches for it\n"
            "        manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}\n"
-           "        body = {\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries}\n"
+           "        body = sign({\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries})\n"
            "        write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + \"\\n\").encode())\n",
            "        finally:\n            pass\n"
            "        manifest = {k: v.result() if isinstance(v, Future) else v for k, v in manifest.items()}\n"
-           "        body = {\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries}\n"
+           "        body = sign({\"format\": FORMAT, **manifest, \"step\": step, \"files\": entries})\n"
            "        write_file(tmp / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + \"\\n\").encode())\n"
            "        for done in fsyncs:\n            done.result()\n",
            ("tests/test_checkpoint_io.py::test_every_file_is_fsynced_before_the_manifest_that_vouches_for_it_is_written",)),
@@ -356,6 +356,10 @@ MUTANTS = (
     Mutant("optimizer-identity-unchecked", "what a resume loaded into the optimizer is what was saved: its identity is the manifest's (I30)",
            "checkpoint/manager.py", "                self._check_optimizer(path, manifest, target.get(\"optimizer\"))\n", "",
            ("tests/test_checkpoint_manager.py::test_an_optimizer_state_whose_moments_were_swapped_with_the_files_hash_rewritten_is_refused_and_falls_back",)),
+    Mutant("manifest-mac-unchecked", "with MINIMIND_CHECKPOINT_KEY set, a manifest without a valid MAC is not loaded (I35)",
+           "checkpoint/storage.py", "    if key is None:\n        return\n    got = body.get(MAC)\n", "    return\n    got = body.get(MAC)\n",
+           ("tests/test_signed_checkpoints.py::test_with_the_key_set_a_manifest_without_its_valid_mac_is_named_and_the_run_falls_back",
+            "tests/test_object_storage.py::test_with_a_checkpoint_key_a_manifest_in_the_store_edited_without_it_is_refused_naming_it_and_the_previous_step_loads")),
     Mutant("seeded-base-reseeds-the-run", "reading a pinned model leaves the run's global generators alone (I6)",
            "weights/sources.py", "        with generators_apart():", "        with torch.random.fork_rng(devices=[]):",
            ("tests/test_identity.py::test_reading_a_seeded_init_as_a_base_or_reference_leaves_pythons_numpys_and_torchs_generators_alone",)),

@@ -271,3 +271,24 @@ def test_checkpoint_resume_names_a_step_folder_in_the_store_or_on_a_disk_whateve
     st = states()
     c = CheckpointManager(CheckpointConfig(resume=str(tmp_path / "disk" / "checkpoints" / "step_00000002")), f"{url}-other", OneProcess(), meta())
     assert c.load(st).step == 2 and st["counter"].value == 20
+
+
+@pytest.mark.unit
+def test_with_a_checkpoint_key_a_manifest_in_the_store_edited_without_it_is_refused_naming_it_and_the_previous_step_loads(
+        url, caplog, monkeypatch):
+    monkeypatch.setenv(storage.KEY_VARIABLE, "a key for the store")
+    a = manager(url)
+    a.load(states())
+    save(a, 1, 10)
+    save(a, 2, 20)
+    key = f"{RemotePath(url).key}/checkpoints/step_00000002/{storage.MANIFEST}"
+    body = json.loads(store_of(BUCKET).get(key)[0])
+    assert body[storage.MAC].startswith("hmac-sha256:")
+    body["world_size"] = 2  # whoever can write the bucket, without the key
+    store_of(BUCKET).delete(key)
+    store_of(BUCKET).put(key, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+    st = states()
+    assert manager(url).load(st).step == 1 and st["counter"].value == 10
+    assert f"{url}/checkpoints/step_00000002/{storage.MANIFEST}: has a MAC that is not its content's" in caplog.text
+    monkeypatch.delenv(storage.KEY_VARIABLE)
+    assert manager(url).load(states()).step == 2  # without a key nothing is checked
