@@ -32,6 +32,7 @@ from model.model import KVCache
 from . import rewards as reward_fns
 from . import tools as agent_tools
 from .grpo import GRPO, GRPOConfig, RolloutState, advantages
+from .worker import Late, Raised, Remote, described
 
 log = logging.getLogger("minimind")
 STREAM = 0x4147454E  # "AGEN": turn t of completion r of prompt i draws from derive_seed(seed, STREAM, step, i, r, t)
@@ -159,7 +160,7 @@ class Agent(GRPO):
             text = self.tok.decode([t for t in new if t != eos])
             turns.append(text)
             messages.append({"role": "assistant", "content": text})
-            parsed = self.parse(text)
+            parsed = self._parse(text)
             if not isinstance(parsed, list):
                 raise Failed(f"train.agent.parser={self.agent.parser} returned {type(parsed).__name__}: expected a list of calls")
             if not parsed:
@@ -178,6 +179,18 @@ class Agent(GRPO):
             pending = pending + seen
         return {"ids": ids, "mine": mine, "turns": turns, "transcript": messages, "unfinished": unfinished,
                 "counts": [len(turns), calls, ok, int(unfinished)]}
+
+    def _parse(self, text: str):
+        """The turn's calls by train.agent.parser: a user's runs in the worker process, bounded by train.agent.tool_timeout_s."""
+        if not isinstance(self.parse, Remote):
+            return self.parse(text)
+        try:
+            return self.parse.call((text,), {}, self.agent.tool_timeout_s)
+        except Late:
+            raise Failed(f"train.agent.parser={self.agent.parser} did not return within train.agent.tool_timeout_s="
+                         f"{self.agent.tool_timeout_s:g} s") from None
+        except Raised as e:
+            raise Failed(f"train.agent.parser={self.agent.parser} raised: {described(e)}") from None
 
     def _rollout(self, model, batch, i: int, check: bool = False) -> None:
         rows, lengths, indices = batch

@@ -4,18 +4,13 @@ file's sha256 a checkpoint records (a changed one is refused on resume). Every c
 train.grpo.reward_timeout_s; a reward that gives another value for the same completion is refused."""
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import re
-import signal
-import sys
-import threading
-from pathlib import Path
 from typing import Callable
 
 from common.outcome import BadInput, Failed
+
+from .worker import Late, Remote, described
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -73,7 +68,8 @@ BUILTIN = {"answer": answer, "answer_partial": answer_partial, "minimind_rules":
 def load(spec: str, key: str = "train.grpo.reward", builtin: dict | None = None) -> tuple[Callable, dict]:
     """train.grpo.reward: a built-in name, or `module:function` / `path/to/file.py:function` (a
     user's, imported once). Returns (the function, its record: spec and, for a user's, its file's
-    sha256). BadInput naming the key when it cannot be imported or is not a function. `key` and `builtin`:
+    sha256; its function runs in this rank's worker process, objectives/worker.py). BadInput naming the key when
+    it cannot be imported or is not a function. `key` and `builtin`:
     another setting's name and built-ins (train.agent.tools: objectives/tools.py)."""
     builtin = BUILTIN if builtin is None else builtin
     if spec in builtin:
@@ -81,71 +77,23 @@ def load(spec: str, key: str = "train.grpo.reward", builtin: dict | None = None)
     if ":" not in spec:
         what = "reward" if key == "train.grpo.reward" else "one"
         raise BadInput(f"{key}: {spec!r} is neither a built-in {what} ({', '.join(builtin)}) nor module:function")
-    module_name, _, name = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise BadInput(f"{key}: {module_name} does not exist")
-            loader = importlib.util.spec_from_file_location(f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}", path)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            if "" not in sys.path:
-                sys.path.insert(0, "")
-            module = importlib.import_module(module_name)
-    except BadInput:
-        raise
-    except Exception as e:  # noqa: BLE001 - a user's module: whatever it raises, it does not import
-        raise BadInput(f"{key}: {module_name} does not import ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise BadInput(f"{key}: {module_name} has no function {name!r}")
-    source = getattr(module, "__file__", None)
-    sha = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else None
-    return fn, {"spec": spec, "file": source, "sha256": sha}
+    from .worker import WORKER
 
-
-class _Late(BaseException):
-    """The reward's time is up (a BaseException, as KeyboardInterrupt: a reward's own `except Exception` does not swallow it)."""
-
-
-def _bounded(fn: Callable, timeout_s: float):
-    """`fn()`, interrupted by SIGALRM after `timeout_s` seconds (raising _Late where it is, and again
-    every 0.5 s for a reward that swallows it; a value returned past the deadline is late too): the
-    main thread's Python code stops there, whatever it waits for (a sleep, a lock, a loop); one call
-    into C that never returns to the interpreter is not interrupted (docs/rl.md). Off the main
-    thread, where no signal arrives, unbounded."""
-    if threading.current_thread() is not threading.main_thread():
-        return fn()
-    fired = []
-
-    def late(signum, frame) -> None:
-        fired.append(signum)
-        raise _Late
-
-    previous = signal.signal(signal.SIGALRM, late)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.5)
-    try:
-        value = fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    if fired:
-        raise _Late
-    return value
+    return WORKER.load(spec, key)  # the user's code runs in this rank's worker process, every call bounded
 
 
 def score(fn: Callable, prompt: str, completion: str, fields: dict, index: int, where: str, timeout_s: float = 30.0) -> float:
     """`fn`'s reward for one completion, a finite float; Failed naming the prompt when it raises, returns
-    another, or does not return within `timeout_s` seconds (train.grpo.reward_timeout_s)."""
+    another, or does not return within `timeout_s` seconds (train.grpo.reward_timeout_s: a user's reward runs
+    in the worker process, killed then, objectives/worker.py; a built-in is ours, bounded)."""
+    kwargs = {k: v for k, v in fields.items() if k not in ("prompt", "line")}
     try:
-        value = _bounded(lambda: fn(prompt, completion, **{k: v for k, v in fields.items() if k not in ("prompt", "line")}), timeout_s)
-    except _Late:
+        value = fn.call((prompt, completion), kwargs, timeout_s) if isinstance(fn, Remote) else fn(prompt, completion, **kwargs)
+    except Late:
         raise Failed(f"train.grpo.reward did not return within train.grpo.reward_timeout_s={timeout_s:g} s on prompt {index} "
                      f"({where})") from None
     except Exception as e:  # noqa: BLE001 - the user's code: its failure ends the run, named
-        raise Failed(f"train.grpo.reward raised on prompt {index} ({where}): {type(e).__name__}: {e}") from None
+        raise Failed(f"train.grpo.reward raised on prompt {index} ({where}): {described(e)}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise Failed(f"train.grpo.reward returned {value!r} for prompt {index} ({where}): expected a finite number")
     return float(value)

@@ -6,8 +6,9 @@ MiniMind's agent reward.
 
 A tool is called with its arguments (a dict) and returns what MiniMind's tools return (a JSON-able
 value); the model reads `json.dumps(value, ensure_ascii=False)[:2048]`, or MiniMind's
-`{"error": "tool not found"}` when the tool is unknown, raises or returns nothing. A call that does
-not return within train.agent.tool_timeout_s fails the run naming the tool (exit 1): a result that
+`{"error": "tool not found"}` when the tool is unknown, raises or returns nothing. A user's tool runs in
+this rank's worker process (objectives/worker.py); a call that does not return within
+train.agent.tool_timeout_s is killed there and fails the run naming the tool (exit 1): a result that
 depends on the clock could not be reproduced on resume.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 from common.outcome import BadInput, Failed
 
 from . import rewards as reward_fns
+from .worker import Late, Remote
 
 ERROR = '{"error": "tool not found"}'
 """What the model reads when a tool is unknown, raises or returns nothing (MiniMind's string)."""
@@ -184,18 +186,19 @@ class Toolbox:
         if fn is None:
             return ERROR, False
         try:
-            result = reward_fns._bounded(lambda: fn(args), self.timeout_s)
-        except reward_fns._Late:
+            if isinstance(fn, Remote):  # a user's tool: in the worker process, killed at the timeout
+                result = fn.call((args,), {}, self.timeout_s, RESULT_CHARS)
+            else:  # a built-in: ours, bounded
+                result = fn(args)
+                result = ("empty",) if not result else ("json", json.dumps(result, ensure_ascii=False)[:RESULT_CHARS])
+        except Late:
             raise Failed(f"train.agent.tools: {name} did not return within train.agent.tool_timeout_s={self.timeout_s:g} s "
                          f"(arguments {json.dumps(args, ensure_ascii=False)[:200]})") from None
         except Exception:  # noqa: BLE001 - MiniMind's rule: a tool that raises answers with the error message
             return ERROR, False
-        if not result:
-            return ERROR, False
-        try:
-            return json.dumps(result, ensure_ascii=False)[:RESULT_CHARS], True
-        except (TypeError, ValueError):
-            raise Failed(f"train.agent.tools: {name} returned {type(result).__name__}, which is not JSON") from None
+        if result[0] == "notjson":
+            raise Failed(f"train.agent.tools: {name} returned {result[1]}, which is not JSON")
+        return (ERROR, False) if result[0] == "empty" else (result[1], True)
 
 
 # ---------------------------------------------------------------- MiniMind's agent reward

@@ -190,7 +190,7 @@ def sleeps(args):
 '''
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # a user's tool runs in the worker process (objectives/worker.py)
 def test_a_users_tool_is_pinned_by_its_file_hash_a_raising_one_reads_the_error_and_a_slow_one_fails_at_its_timeout(tmp_path):
     import hashlib
 
@@ -322,6 +322,48 @@ def test_agent_halted_inside_a_rollouts_updates_on_2_resumed_on_3_then_on_1_equa
     assert [t["name"] for t in manifest["reward"]["tools"]] == ["double", "broken"] and len(manifest["reward"]["parser"]["sha256"]) == 64
 
 
+HOSTILE_TOOLS = '''
+
+def hangs_in_c(args):
+    """Minutes inside one call into C: no signal handler runs in its process until it returns."""
+    return {"n": sum(range(10 ** 12))}
+
+
+def writes(args):
+    """A side effect the trainer cannot see (docs/rl.md: outside the guarantee), then a value."""
+    import os
+
+    with open(os.environ["TOOL_LOG"], "a") as f:
+        f.write("called\\n")
+    return {"ok": True}
+
+
+def call_it(text):
+    import os
+
+    return [{"name": os.environ["TOOL_TO_CALL"], "arguments": {}}]
+'''
+
+
+@pytest.mark.e2e
+def test_a_tool_that_hangs_inside_c_is_killed_at_its_timeout_and_the_run_exits_1_naming_it(agent_task, tmp_path):
+    """The old in-process bound (SIGALRM) could not stop a call that never returns to the interpreter: the run
+    hung. In the worker process it is killed at train.agent.tool_timeout_s, the run fails as documented (exit 1,
+    naming the tool), and nothing is left running (a live worker would hold the launch's output open)."""
+    data, module = agent_task
+    tools = tmp_path / "hostile.py"
+    tools.write_text(AGENT_MODULE + HOSTILE_TOOLS)
+    args = [a for a in agent_base(agent_task, tmp_path / "cache") if not a.startswith(("train.agent.", "train.grpo.reward="))]
+    args += [f"train.agent.tools={tools}:double,{tools}:broken,{tools}:hangs_in_c,{tools}:writes", f"train.agent.parser={tools}:call_it",
+             f"train.grpo.reward={tools}:episode", "train.agent.tool_timeout_s=1", "train.steps=1", f"out_dir={tmp_path / 'run'}"]
+    proc = launch.run(0, *args, expect=1, timeout=120, env={"TOOL_TO_CALL": "hangs_in_c"})
+    assert "train.agent.tools: hangs_in_c did not return within train.agent.tool_timeout_s=1 s" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    log = tmp_path / "tool.log"  # the same run with a tool that writes: it runs with the user's permissions, as documented
+    launch.run(0, *args[:-1], f"out_dir={tmp_path / 'writes'}", env={"TOOL_TO_CALL": "writes", "TOOL_LOG": str(log)})
+    assert log.read_text().count("called") > 0
+
+
 @pytest.mark.e2e
 def test_a_changed_tool_file_is_refused_on_resume_naming_both_hashes(agent_task, tmp_path):
     import hashlib
@@ -375,7 +417,7 @@ def tiny_agent(tmp_path, seq_len: int = 112, max_turns: int = 3):
     return agent, model, prompt, fields, tok
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # its user tools, parser and reward run in the worker process (objectives/worker.py)
 def test_an_episodes_ids_are_the_models_turns_and_the_templates_tool_messages_and_only_the_models_ids_are_in_the_mask(tmp_path):
     agent, model, prompt, fields, tok = tiny_agent(tmp_path)
     seen_turns = set()
@@ -410,7 +452,7 @@ def test_an_episodes_ids_are_the_models_turns_and_the_templates_tool_messages_an
         assert ro["mask"][k].nonzero().view(-1).tolist() == [p - 1 for p in ep["mine"]]  # the targets that are the model's ids
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # its user tools, parser and reward run in the worker process (objectives/worker.py)
 def test_an_episode_whose_tool_message_would_fill_model_seq_len_is_cut_at_the_turn_boundary_and_counted_unfinished(tmp_path):
     agent, model, prompt, fields, tok = tiny_agent(tmp_path, seq_len=64, max_turns=5)
     cut = 0

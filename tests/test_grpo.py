@@ -238,31 +238,49 @@ def test_a_reward_that_never_returns_on_rank_0_fails_both_ranks_naming_the_promp
     assert "Traceback" not in proc.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>')[0]  # torchrun's own, after
 
 
-@pytest.mark.unit
-def test_a_reward_call_is_interrupted_at_its_timeout_even_when_it_catches_every_exception():
-    from common.outcome import Failed
-    from objectives.rewards import score
+SLOW_REWARDS = '''
+import time
 
-    def careless(prompt, completion, **fields):  # 5 s, unless interrupted
+
+def careless(prompt, completion, **fields):  # 5 s, catching what it can
+    try:
+        time.sleep(5)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1.0
+
+
+def stubborn(prompt, completion, **fields):  # 2 s, swallowing everything
+    for _ in range(20):
         try:
-            time.sleep(5)
-        except Exception:  # noqa: BLE001 - what a careless reward does: the timeout is not an Exception
+            time.sleep(0.1)
+        except BaseException:  # noqa: BLE001
             pass
-        return 1.0
+    return 1.0
 
-    def stubborn(prompt, completion, **fields):  # 2 s, swallowing everything: its value is late
-        for _ in range(20):
-            try:
-                time.sleep(0.1)
-            except BaseException:  # noqa: BLE001
-                pass
-        return 1.0
 
-    for reward in (careless, stubborn):
+def in_c(prompt, completion, **fields):  # minutes inside one call into C: no signal handler runs until it returns
+    return float(sum(range(10 ** 12)))
+
+
+def half(prompt, completion, **fields):
+    return 0.5
+'''
+
+
+@pytest.mark.e2e  # a user's reward runs in the worker process (objectives/worker.py)
+def test_a_reward_call_is_killed_at_its_timeout_even_inside_c_or_catching_every_exception_and_the_next_call_answers(tmp_path):
+    from common.outcome import Failed
+    from objectives.rewards import load, score
+    from objectives.worker import WORKER
+
+    (tmp_path / "slow.py").write_text(SLOW_REWARDS)
+    for name in ("careless", "stubborn", "in_c"):
+        reward, _ = load(f"{tmp_path / 'slow.py'}:{name}")
         with pytest.raises(Failed, match=r"did not return within train.grpo.reward_timeout_s=0.2 s on prompt 7 \(p.jsonl:8\)"):
             score(reward, "p", "c", {"prompt": "p", "line": "p.jsonl:8"}, 7, "p.jsonl:8", timeout_s=0.2)
-    assert score(lambda prompt, completion, **f: 0.5, "p", "c", {}, 0, "x", timeout_s=0.2) == 0.5
-    time.sleep(0.3)  # the timer was cancelled: nothing fires after the call
+        assert WORKER.proc is None  # killed, not left running
+    assert score(load(f"{tmp_path / 'slow.py'}:half")[0], "p", "c", {}, 0, "x", timeout_s=5) == 0.5  # a new process answers
 
 
 @pytest.mark.e2e
@@ -278,7 +296,7 @@ def test_a_rollout_on_one_rank_longer_than_dist_timeout_s_is_waited_for_and_give
         assert [r[key] for r in got] == [r[key] for r in want], key
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # a user's reward runs in the worker process (objectives/worker.py)
 def test_a_reward_that_draws_from_random_is_refused_naming_it(task, tmp_path):
     code, err = launch.in_process(*base(task, tmp_path / "cache", "draws"), f"out_dir={tmp_path / 'run'}")
     assert code == 2 and ":draws gave " in err and "for the same completion of prompt" in err and "a pure function" in err, err

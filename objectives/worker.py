@@ -1,0 +1,213 @@
+"""User code (a `module:function` given as train.grpo.reward, train.agent.tools or train.agent.parser) runs in
+a process of its own, one per rank, called through a socket: each call is bounded by its timeout, at which the
+process is killed (a hang inside C included: nothing has to return to the interpreter) and the next call starts
+another; a stop signal while a call runs kills it too (docs/rl.md, "What user code may do").
+
+The process is this file run as a script, with the standard library only (no torch: it starts in about 50 ms),
+the trainer's `sys.path` and working directory and the user's permissions. It ignores the stop signals (the
+trainer decides, and kills it) and dies with the trainer (PR_SET_PDEATHSIG, and the end of its socket). A value
+crosses the socket pickled, bit for bit; a tool's result crosses as the text the model reads.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+LOAD_TIMEOUT_S = 300.0
+"""The longest a user module's import may take (its top-level code runs there)."""
+
+
+class Late(Exception):
+    """The call did not return within its timeout: its process was killed."""
+
+
+class Raised(Exception):
+    """The user's function raised (`kind`: its exception's type name, `text`: its message), or its process died."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        super().__init__(text)
+        self.kind, self.text = kind, text
+
+
+def described(e: BaseException) -> str:
+    """`Type: message` of an exception, the user's own type for one raised in the worker."""
+    return f"{e.kind}: {e.text}" if isinstance(e, Raised) else f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------- the trainer's side
+class Worker:
+    """This rank's process for user code: started at the first load, again at the first call after a kill
+    (every module loaded so far imported again, in order)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.loaded: list[tuple[str, str]] = []  # (spec, key) by handle
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                     stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(("path", list(sys.path)))
+        for handle, (spec, key) in enumerate(self.loaded):
+            if spec:
+                self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
+
+    def kill(self) -> None:
+        """End the process now (SIGKILL), whatever it runs; the next call starts another."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def _ask(self, message: tuple, timeout_s: float):
+        if self.proc is None:
+            self._start()
+        try:
+            self.conn.send(message)
+            if not self.conn.poll(timeout_s):
+                self.kill()
+                raise Late
+            return self.conn.recv()
+        except Late:
+            raise
+        except (EOFError, OSError):  # it died (os._exit, a crash, a kill from outside)
+            code = self.proc.wait() if self.proc is not None else None
+            self.kill()
+            raise Raised("WorkerDied", f"the process running it ended (exit status {code})") from None
+        except BaseException:  # a stop signal (run/stop.py Interrupted) while it runs: the call is abandoned
+            self.kill()
+            raise
+
+    def load(self, spec: str, key: str) -> tuple[Remote, dict]:
+        """Import a user's `module:function` in the process: (a callable that calls it there, its record: spec,
+        file, sha256). BadInput naming `key` when it cannot be imported or is not a function."""
+        from common.outcome import BadInput
+
+        handle = len(self.loaded)
+        self.loaded.append((spec, key))
+        try:
+            reply = self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
+        except (Late, Raised) as e:
+            self.loaded.pop()
+            raise BadInput(f"{key}: {spec} does not import ({'it took longer than ' + str(LOAD_TIMEOUT_S) + ' s' if isinstance(e, Late) else described(e)})") from None
+        if reply[0] == "bad":
+            self.loaded[handle] = ("", key)  # nothing to import again
+            raise BadInput(reply[1])
+        return Remote(self, handle, spec), {"spec": spec, "file": reply[1], "sha256": reply[2]}
+
+
+class Remote:
+    """A user's function in the worker: `call(args, kwargs, timeout_s, how)`; called plainly, unbounded."""
+
+    def __init__(self, worker: Worker, handle: int, spec: str) -> None:
+        self.worker, self.handle, self.spec = worker, handle, spec
+
+    def call(self, args: tuple, kwargs: dict, timeout_s: float, how: str | int = "value"):
+        """Its value (`how`="value"), or for a tool (`how`: the result's length cut) ("empty",) / ("json", text) /
+        ("notjson", type name). Late at the timeout (the process killed); Raised when it raised."""
+        reply = self.worker._ask(("call", self.handle, how, args, kwargs), timeout_s)
+        if reply[0] == "raised":
+            raise Raised(reply[1], reply[2])
+        return reply[1]
+
+    def __call__(self, *args, **kwargs):
+        return self.call(args, kwargs, None)
+
+
+WORKER = Worker()
+"""This process's (rank's) worker."""
+
+
+# ---------------------------------------------------------------- the worker's side
+def _load(spec: str, key: str):
+    """rewards.load's import of a user's module:function, here: the function, or ("bad", the message)."""
+    module_name, _, name = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                return ("bad", f"{key}: {module_name} does not exist")
+            loader = importlib.util.spec_from_file_location(f"reward_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")
+            module = importlib.import_module(module_name)
+    except BaseException as e:  # noqa: BLE001 - a user's module: whatever it raises, it does not import
+        return ("bad", f"{key}: {module_name} does not import ({type(e).__name__}: {e})")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        return ("bad", f"{key}: {module_name} has no function {name!r}")
+    source = getattr(module, "__file__", None)
+    return fn, source, hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else None
+
+
+def _call(fn, how, args: tuple, kwargs: dict) -> tuple:
+    try:
+        value = fn(*args, **kwargs)
+        if how == "value":
+            pickle.dumps(value)  # what cannot cross is the function's failure, named here
+            return ("value", value)
+        if not value:
+            return ("value", ("empty",))
+        try:
+            return ("value", ("json", json.dumps(value, ensure_ascii=False)[:how]))
+        except (TypeError, ValueError):
+            return ("value", ("notjson", type(value).__name__))
+    except BaseException as e:  # noqa: BLE001 - the user's code: whatever it raises is its result (SystemExit too)
+        return ("raised", type(e).__name__, str(e))
+
+
+def serve(fd: int) -> None:
+    """The worker's loop: load and call messages in, replies out, until the trainer's end of the socket closes."""
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)  # the trainer decides a stop, and kills this process
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the trainer gone, this goes too
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        return
+    conn = Connection(fd)
+    functions: dict[int, object] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "path":
+            sys.path[:] = message[1]
+        elif message[0] == "load":
+            _, handle, spec, key = message
+            if not spec:
+                continue
+            got = _load(spec, key)
+            if got[0] == "bad":
+                conn.send(got)
+            else:
+                functions[handle] = got[0]
+                conn.send(("ok", got[1], got[2]))
+        else:
+            _, handle, how, args, kwargs = message
+            conn.send(_call(functions[handle], how, args, kwargs))
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
