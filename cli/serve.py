@@ -1,9 +1,11 @@
 """`python -m checkpoint serve RUN`: an OpenAI-compatible HTTP server over a checkpoint (docs/serving.md).
 
     POST /v1/chat/completions   messages, temperature, top_p, max_tokens (max_completion_tokens), stop, seed,
-                                stream (server-sent events, `data: [DONE]` last), stream_options.include_usage;
-                                top_k and repetition_penalty as extensions; a field left out is `chat`'s default
-    GET  /v1/models             the one model served
+                                stream (server-sent events, `data: [DONE]` last), stream_options.include_usage, n, logprobs
+                                (top_logprobs); top_k and repetition_penalty as extensions; a field left out is `chat`'s default
+    POST /v1/completions        prompt (a string, strings, ids or lists of ids), the same settings, echo, logprobs
+                                (each id's log-probability and the k likeliest: what lm-evaluation-harness scores by)
+    GET  /v1/models             the one model served (/v1/models/{id}: it, or 404)
     GET  /health                {"status": "ok", "active": n, "waiting": m} (no key needed)
 
 A reply is what `python -m checkpoint chat` gives for the same messages and settings: the conversation
@@ -36,7 +38,13 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_DEPTH = 32
 """JSON nested deeper than this (objects and lists) is a 400 naming the field, before it is parsed."""
 API_KEY_ENV = "MINIMIND_SERVE_API_KEY"
-NEUTRAL = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0}
+MAX_N = 8
+"""`n`, the choices of one request (each a job of its own), at most this many."""
+MAX_TOP_LOGPROBS = 20
+"""`top_logprobs` (chat) and `logprobs` (completions): at most this many likeliest ids per position, as OpenAI."""
+MAX_PROMPTS = 64
+"""A completions request's prompts, at most this many (each `n` jobs)."""
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0}
 """OpenAI's fields this server does not implement, accepted at the value that asks for nothing."""
 
 
@@ -54,7 +62,8 @@ class ApiError(Exception):
 
 @dataclass
 class ChatRequest:
-    """A chat-completions request, checked (parse_request)."""
+    """A chat-completions or completions request, checked (parse_request, parse_completion): its
+    settings, and per prompt `n` choices (`prompts`: a completions request's ids)."""
 
     messages: list[dict]
     temperature: float
@@ -66,6 +75,10 @@ class ChatRequest:
     seed: int
     stream: bool
     include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: each id's log-probability and the k likeliest at its position
+    echo: bool = False
+    prompts: list[list[int]] = field(default_factory=list)
 
 
 def _number(body: dict, key: str, default, low: float, high: float = math.inf, low_open: bool = False, integer: bool = False):
@@ -186,20 +199,10 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """A request body checked against what the server implements; ApiError (400) naming the field."""
+def _settings(body: dict, max_default: int | None) -> dict:
+    """The fields chat completions and completions share, checked; ApiError (400) naming the field."""
     from model.generate import DEFAULTS
 
-    body = read_json(raw)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}", f"messages[{i}].role")
-        role = "system" if m["role"] == "developer" else m["role"]
-        turns.append({"role": role, "content": _content(m, i)})
     if not isinstance(body.get("model", ""), str):
         raise ApiError(400, "model must be a string", "model")
     for key, neutral in NEUTRAL.items():
@@ -209,7 +212,7 @@ def parse_request(raw: bytes) -> ChatRequest:
         max_key = "max_tokens"
     else:
         max_key = "max_completion_tokens"
-    max_tokens = _number(body, max_key, None, 1, integer=True)
+    max_tokens = _number(body, max_key, max_default, 1, integer=True)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -223,14 +226,81 @@ def parse_request(raw: bytes) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "stream_options must be an object {include_usage: true|false}", "stream_options")
-    return ChatRequest(
-        messages=turns,
+    return dict(
         temperature=float(_number(body, "temperature", DEFAULTS.temperature, 0, 2)),
         top_p=float(_number(body, "top_p", DEFAULTS.top_p, 0, 1, low_open=True)),
         top_k=_number(body, "top_k", DEFAULTS.top_k, 0, integer=True),
         repetition_penalty=float(_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, 0, low_open=True)),
         max_tokens=max_tokens, stop=stop, seed=seed if seed is not None else secrets.randbits(63),
-        stream=stream, include_usage=options.get("include_usage", False))
+        stream=stream, include_usage=options.get("include_usage", False), n=_number(body, "n", 1, 1, MAX_N, integer=True))
+
+
+def _top(body: dict, key: str, vocab: int) -> int:
+    """How many likeliest ids to give per position: at most MAX_TOP_LOGPROBS and the vocabulary."""
+    return _number(body, key, 0, 0, min(MAX_TOP_LOGPROBS, vocab), integer=True)
+
+
+def parse_request(raw: bytes, vocab: int = 1 << 30) -> ChatRequest:
+    """A chat-completions body checked against what the server implements; ApiError (400) naming the field."""
+    body = read_json(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}", f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        turns.append({"role": role, "content": _content(m, i)})
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(400, "logprobs must be true or false", "logprobs")
+    top = _top(body, "top_logprobs", vocab)
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return ChatRequest(messages=turns, **_settings(body, None), logprobs=top if logprobs else None)
+
+
+def parse_completion(raw: bytes, tok, vocab: int) -> ChatRequest:
+    """A completions body: `prompt` a string, a list of strings, a list of ids or a list of lists of ids
+    (a string is BOS + its ids, as `generate` encodes it); ApiError (400) naming the field."""
+    body = read_json(raw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool)
+                                                                                 for p in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt must be a string, a list of strings, a list of token ids or a list of such lists "
+                            f"(1 to {MAX_PROMPTS} prompts)", "prompt")
+    prompts = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            prompts.append(tok.encode(p, bos=True))
+            continue
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids", f"prompt[{i}]")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt[{i}] holds token id {bad[0]}, outside the vocabulary (0 to {vocab - 1})", f"prompt[{i}]")
+        prompts.append(list(p))
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool | None):
+        raise ApiError(400, "echo must be true or false", "echo")
+    logprobs = body.get("logprobs")
+    settings = _settings({k: v for k, v in body.items() if k != "logprobs"}, 16)
+    return ChatRequest(messages=[], **settings, logprobs=None if logprobs is None else _top(body, "logprobs", vocab),
+                       echo=bool(echo), prompts=prompts)
+
+
+def check_fits(prompt: list[int], max_tokens: int | None, seq_len: int, field: str) -> None:
+    """ApiError (400, context_length_exceeded) when a prompt, or it and the tokens asked for, do not fit the context."""
+    if len(prompt) >= seq_len:
+        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens, and the {field} are {len(prompt)}: shorten "
+                            f"them to at most {seq_len - 1}", field, code="context_length_exceeded")
+    if max_tokens is not None and len(prompt) + max_tokens > seq_len:
+        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens. However, you requested "
+                            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the {field}, {max_tokens} in the completion): "
+                            f"ask for at most {seq_len - len(prompt)}", "max_tokens", code="context_length_exceeded")
 
 
 def prompt_ids(tok, template, req: ChatRequest, seq_len: int) -> list[int]:
@@ -242,13 +312,7 @@ def prompt_ids(tok, template, req: ChatRequest, seq_len: int) -> list[int]:
         ids = tok.encode_rendered(template.render(req.messages, add_generation_prompt=True))
     except TemplateError as e:
         raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
-    if len(ids) >= seq_len:
-        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens, and the messages are {len(ids)}: shorten "
-                            f"them to at most {seq_len - 1}", "messages", code="context_length_exceeded")
-    if req.max_tokens is not None and len(ids) + req.max_tokens > seq_len:
-        raise ApiError(400, f"This model's maximum context length is {seq_len} tokens. However, you requested "
-                            f"{len(ids) + req.max_tokens} tokens ({len(ids)} in the messages, {req.max_tokens} in the completion): "
-                            f"ask for at most {seq_len - len(ids)}", "max_tokens", code="context_length_exceeded")
+    check_fits(ids, req.max_tokens, seq_len, "messages")
     return ids
 
 
@@ -287,16 +351,21 @@ class TextStream:
 
 @dataclass
 class Job:
-    """One request in the engine: its prompt and settings, where its events go, whether its client left."""
+    """One choice of one request in the engine: its prompt and settings, where its events go, whether its
+    client left; `entries`: each drawn id's (id, log-probability, [(id, log-probability)] of the likeliest)
+    when the request asks for logprobs, `prompt_entries` the prompt's own with echo."""
 
     req: ChatRequest
     prompt: list[int]
     emit: object  # emit(event): called from the worker thread
+    seed: int | None = None  # this choice's seed (None: the request's)
     cancelled: bool = False
     gen: object = None
     text: object = None
     pending: str = ""
     sent_at: float | None = None
+    entries: list = field(default_factory=list)
+    prompt_entries: list | None = None
     queued_at: float = field(default_factory=time.perf_counter)
 
     def send(self, piece: str, now: float, every: float) -> None:
@@ -311,6 +380,33 @@ class Job:
         if self.pending:
             self.emit(("delta", self.pending))
             self.pending = ""
+
+    def score(self) -> None:
+        """Record the log-probabilities of the id the last step drew (and, the first time, the prompt's)."""
+        k, gen = self.req.logprobs, self.gen
+        if self.req.echo and self.prompt_entries is None and gen.prompt_logits is not None:
+            self.prompt_entries = [(self.prompt[0], None, None), *log_probabilities(gen.prompt_logits, self.prompt[1:], k)]
+        if gen.last_id is not None:
+            self.entries += log_probabilities(gen.last_logits[None], [gen.last_id], k)
+
+
+def log_probabilities(logits, ids: list[int], k: int) -> list[tuple]:
+    """Per row of `logits` (positions, vocab): (ids[i], its log-softmax in fp32, the k likeliest as (id, log-prob))."""
+    import torch
+
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(ids, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if not k:
+        return [(i, c, []) for i, c in zip(ids, chosen)]
+    values, indices = lp.topk(k, -1)
+    return [(i, c, list(zip(ix, v))) for i, c, ix, v in zip(ids, chosen, indices.tolist(), values.tolist())]
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed: the request's for choice 0 (so n=1 is the reply alone), else one drawn from (seed, i)."""
+    import hashlib
+
+    return seed if i == 0 else int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1
 
 
 STREAM_EVERY_S = 0.02
@@ -340,14 +436,18 @@ class Engine:
             self.cond.notify()
         self.thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue a request's jobs (its choices), all or none."""
         with self.cond:
             free = max(0, self.slots - len(self.active))  # slots the worker is about to fill from the queue
-            if len(self.waiting) >= self.queue + free:
+            room = self.queue + free
+            if free and not self.waiting:  # a request of more choices than that still goes when nothing waits
+                room = max(room, len(jobs))
+            if len(self.waiting) + len(jobs) > room:
                 raise ApiError(429, f"the server is busy: {len(self.active)} replies being generated and {len(self.waiting)} "
                                     f"waiting (--queue {self.queue}); retry later", type="rate_limit_exceeded",
                                code="rate_limit_exceeded")
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.cond.notify()
 
     def counts(self) -> dict:
@@ -375,9 +475,12 @@ class Engine:
                         continue
                     if job.gen is None:  # the prefill happens in its first step, below
                         job.gen = Generation(self.model, job.prompt, r.max_tokens, r.temperature, r.top_k, r.top_p,
-                                             r.repetition_penalty, self.tok.eos, True, r.seed)
+                                             r.repetition_penalty, self.tok.eos, True, r.seed if job.seed is None else job.seed,
+                                             keep_prompt_logits=r.echo and r.logprobs is not None)
                         job.text = TextStream(self.tok, r.stop)
                     nxt = job.gen.step()
+                    if r.logprobs is not None:
+                        job.score()
                     if nxt is not None:
                         piece, stopped = job.text.add(nxt)
                         job.send(piece, time.perf_counter(), self.every)
@@ -415,9 +518,10 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
     from data.chat import template_of
 
-    template, seq_len = template_of(tok), model.cfg.seq_len
+    template, seq_len, vocab = template_of(tok), model.cfg.seq_len, model.cfg.vocab_size
     engine = Engine(model, tok, slots, queue)
     created = int(time.time())
+    card = {"id": name, "object": "model", "created": created, "owned_by": "minimind-resume"}
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -456,67 +560,162 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "minimind-resume"}]}
+        return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse_request(await read_body(request, max_request_bytes))
-        prompt = prompt_ids(tok, template, req, seq_len)
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        if model_id != name:
+            raise ApiError(404, f"The model '{model_id}' does not exist: this server serves '{name}'", "model", code="model_not_found")
+        return card
+
+    def token_text(i: int) -> str:
+        return tok.decode([i])
+
+    def legacy_logprobs(entries: list) -> dict:
+        """Completions' logprobs: tokens, token_logprobs, top_logprobs (the k likeliest and the drawn id, as vLLM), text_offset."""
+        tokens = [token_text(i) for i, _, _ in entries]
+        tops = []
+        for (i, lp, top), text in zip(entries, tokens):
+            tops.append(None if lp is None else {**{token_text(j): v for j, v in top}, **({} if any(j == i for j, _ in top)
+                                                                                           else {text: lp})})
+        offsets = [0]
+        for t in tokens[:-1]:
+            offsets.append(offsets[-1] + len(t))
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(entries: list) -> dict:
+        def one(i: int, lp: float) -> dict:
+            text = token_text(i)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**one(i, lp), "top_logprobs": [one(j, v) for j, v in top]} for i, lp, top in entries]}
+
+    def start(req: ChatRequest, prompts: list[list[int]]) -> tuple[list[Job], asyncio.Queue]:
+        """Queue each prompt's n choices (choice c seeded from the request's seed and c); events come as (index, event)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(req, prompt, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        engine.submit(job)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
-        if req.stream:
-            return StreamingResponse(stream(job, events, head), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        content = []
+        jobs = [Job(req, prompt, lambda event, index=p * req.n + c: loop.call_soon_threadsafe(events.put_nowait, (index, event)),
+                    seed=choice_seed(req.seed, c)) for p, prompt in enumerate(prompts) for c in range(req.n)]
+        engine.submit(*jobs)
+        return jobs, events
+
+    def usage(req: ChatRequest, jobs: list[Job], ends: list[dict]) -> dict:
+        prompt = sum(len(j.prompt) for j in jobs[::req.n])
+        done = sum(e["completion_tokens"] for e in ends)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    async def results(request: Request, jobs: list[Job], events: asyncio.Queue) -> list[tuple[str, str, dict]] | None:
+        """Each job's (text, finish_reason, usage) once all have ended; None when the client left first."""
+        texts, ends = [[] for _ in jobs], [None] * len(jobs)
         try:
-            while True:
+            while any(e is None for e in ends):
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                    index, event = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
+                        return None
                     continue
                 if event[0] == "delta":
-                    content.append(event[1])
+                    texts[index].append(event[1])
                 elif event[0] == "error":
                     raise ApiError(500, event[1], type="server_error")
                 else:
-                    return {**head, "object": "chat.completion", "usage": event[2], "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": "".join(content)}, "finish_reason": event[1],
-                         "logprobs": None}]}
+                    ends[index] = ("".join(texts[index]), event[1], event[2])
+            return ends
         finally:
-            job.cancelled = True  # a reply that ended is out of the engine already; one whose client left is dropped
+            for job in jobs:
+                job.cancelled = True  # a reply that ended is out of the engine already; one whose client left is dropped
 
-    async def stream(job: Job, events: asyncio.Queue, head: dict):
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            body = {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    def streaming(chunks) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(await read_body(request, max_request_bytes), vocab)
+        prompt = prompt_ids(tok, template, req, seq_len)
+        jobs, events = start(req, [prompt])
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+        if req.stream:
+            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> dict:
+                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+                return {**head, "object": "chat.completion.chunk", "choices": [
+                    {"index": index, "delta": delta, "finish_reason": finish,
+                     "logprobs": None if entries is None else chat_logprobs(entries)}]}
+            return streaming(stream(req, jobs, events, head, piece))
+        ends = await results(request, jobs, events)
+        if ends is None:
+            return JSONResponse({}, status_code=499)
+        return {**head, "object": "chat.completion", "usage": usage(req, jobs, [e[2] for e in ends]), "choices": [
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+             "logprobs": None if req.logprobs is None else chat_logprobs(job.entries)}
+            for i, (job, (text, finish, _)) in enumerate(zip(jobs, ends))]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_completion(await read_body(request, max_request_bytes), tok, vocab)
+        for i, prompt in enumerate(req.prompts):
+            check_fits(prompt, req.max_tokens, seq_len, "prompt" if len(req.prompts) == 1 else f"prompt[{i}]")
+        jobs, events = start(req, req.prompts)
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+        if req.stream:
+            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> dict | None:
+                if first:
+                    return None
+                return {**head, "object": "text_completion", "choices": [
+                    {"index": index, "text": text or "", "finish_reason": finish,
+                     "logprobs": None if entries is None else legacy_logprobs(entries)}]}
+            return streaming(stream(req, jobs, events, head, piece))
+        ends = await results(request, jobs, events)
+        if ends is None:
+            return JSONResponse({}, status_code=499)
+        choices = []
+        for i, (job, (text, finish, _)) in enumerate(zip(jobs, ends)):
+            entries = ((job.prompt_entries or []) if req.echo else []) + job.entries
+            choices.append({"index": i, "text": (tok.decode(job.prompt) if req.echo else "") + text, "finish_reason": finish,
+                            "logprobs": None if req.logprobs is None else legacy_logprobs(entries)})
+        return {**head, "object": "text_completion", "usage": usage(req, jobs, [e[2] for e in ends]), "choices": choices}
+
+    async def stream(req: ChatRequest, jobs: list[Job], events: asyncio.Queue, head: dict, piece):
+        """Server-sent events: each choice's pieces as they come (`piece` makes the chunk), its end, the usage when
+        asked, `data: [DONE]` last."""
+        def sse(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            pending = None
-            while True:
-                event, pending = pending or await events.get(), None
+            for index in range(len(jobs)):
+                first = piece(index, None, None, None, first=True)
+                if first is not None:
+                    yield sse(first)
+            sent, echoed, ends, pending = [0] * len(jobs), [not req.echo] * len(jobs), [None] * len(jobs), None
+            while any(e is None for e in ends):
+                (index, event), pending = pending or await events.get(), None
+                if event[0] == "error":
+                    yield sse(ApiError(500, event[1], type="server_error").body())
+                    break
+                job, text = jobs[index], None
                 if event[0] == "delta":  # the pieces that came while the last chunk was written go out as one
                     text = event[1]
                     while pending is None and not events.empty():
                         nxt = events.get_nowait()
-                        text, pending = (text + nxt[1], None) if nxt[0] == "delta" else (text, nxt)
-                    yield chunk({"content": text})
-                elif event[0] == "error":
-                    yield f"data: {json.dumps(ApiError(500, event[1], type='server_error').body())}\n\n"
-                    break
-                else:
-                    yield chunk({}, event[1])
-                    if job.req.include_usage:
-                        yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': event[2]})}\n\n"
-                    break
+                        text, pending = (text + nxt[1][1], None) if nxt[0] == index and nxt[1][0] == "delta" else (text, nxt)
+                entries = None
+                if req.logprobs is not None:
+                    entries, sent[index] = job.entries[sent[index]:], len(job.entries)
+                if not echoed[index]:
+                    echoed[index] = True
+                    text = tok.decode(job.prompt) + (text or "")
+                    entries = None if entries is None else (job.prompt_entries or []) + entries
+                if text is not None or entries:
+                    yield sse(piece(index, text, None, entries))
+                if event[0] == "end":
+                    yield sse(piece(index, None, event[1], None))
+                    ends[index] = event[2]
+            else:
+                if req.include_usage:
+                    yield sse({**head, "object": "chat.completion.chunk" if req.messages else "text_completion", "choices": [],
+                               "usage": usage(req, jobs, ends)})
             yield "data: [DONE]\n\n"
         finally:
-            job.cancelled = True  # a client that went away mid-stream: its slot is freed at its next turn
+            for job in jobs:
+                job.cancelled = True  # a client that went away mid-stream: its slot is freed at its next turn
 
     return app
 
@@ -538,6 +737,8 @@ def arguments(p) -> None:
     p.add_argument("--max-request-bytes", type=number(int, 1), default=MAX_REQUEST_BYTES,
                    help="a request body past this many bytes is answered 413 before the rest is read (default 1 MiB)")
     p.add_argument("--model-name", help="the model id the server reports (default: the run folder's name)")
+    p.add_argument("--fp32", action="store_true", help="serve the fp32 weights as trained (those `eval` scores) instead of the "
+                                                       "fp16 weights file (`chat`'s)")
     p.add_argument("--slots", type=number(int, 1), default=4, help="replies generated in turn, one token each per turn (default 4)")
     p.add_argument("--queue", type=number(int, 0), default=16, help="requests waiting for a slot before more get 429 (default 16)")
 
@@ -596,7 +797,7 @@ def run(args) -> int:
     api_key = api_key_of(args)
     from weights import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(args.path)
+    model, tok = load_model_and_tokenizer(args.path, fp32=args.fp32)
     from data.chat import template_of
 
     template_of(tok)  # a tokenizer without a chat template: said now, not at the first request

@@ -82,7 +82,7 @@ class Generation:
     def __init__(self, model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
                  temperature: float = DEFAULTS.temperature, top_k: int = DEFAULTS.top_k, top_p: float = DEFAULTS.top_p,
                  repetition_penalty: float = DEFAULTS.repetition_penalty, eos: int | None = None,
-                 use_cache: bool = True, seed: int = 0) -> None:
+                 use_cache: bool = True, seed: int = 0, keep_prompt_logits: bool = False) -> None:
         limit = model.cfg.seq_len
         if not prompt:
             raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
@@ -104,10 +104,13 @@ class Generation:
         self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)
         self.done = max_new_tokens == 0
         self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)
+        self.keep_prompt_logits, self.prompt_logits = keep_prompt_logits, None  # the prompt's own (L-1, vocab) logits, once computed
+        self.last_id, self.last_logits = None, None  # the id the last step drew (EOS too) and the logits it drew it from
 
     @torch.inference_mode()
     def step(self) -> int | None:
         """The next id, appended to `ids`; None when the sequence has ended (EOS or the limit)."""
+        self.last_id = None
         if self.done:
             return None
         s, model = self.sampling, self.model
@@ -115,7 +118,11 @@ class Generation:
             logits, _ = model(self.next_input, cache=self.cache)
         else:
             logits, _ = model(torch.tensor([self.ids], dtype=torch.long, device=self.device))
-        nxt = sample(logits[0, -1].float(), self.ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, self.generator)
+        if self.keep_prompt_logits and self.prompt_logits is None:
+            self.prompt_logits = logits[0, :len(self.ids) - 1] if self.use_cache else logits[0, :-1]
+        self.last_logits = logits[0, -1].float()
+        nxt = sample(self.last_logits, self.ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, self.generator)
+        self.last_id = nxt
         self.left -= 1
         if nxt == self.eos:
             self.done, self.finish = True, "stop"

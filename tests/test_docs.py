@@ -68,6 +68,12 @@ NOT_RUN = {
         '[{"role": "user", "content": "What does os.path.join do?"}], "temperature": 0, "max_tokens": 48}\'',
         'curl -sN http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d \'{"model": "sft_tiny", "messages": '
         '[{"role": "user", "content": "Hi"}], "max_tokens": 24, "seed": 7, "stream": true}\'')},
+    **{command: "a server and the reader's task files: tests/test_serve.py::test_lm_evals_local_completions_through_the_server_"
+                "scores_as_eval_does_item_by_item runs these" for command in (
+        ".venv/bin/python -m checkpoint serve runs/sft_tiny --fp32 --port 8000 &",
+        ".venv/bin/lm_eval --model local-completions --model_args model=sft_tiny,base_url=http://127.0.0.1:8000/v1/completions,"
+        "tokenizer_backend=huggingface,tokenizer=runs/sft_tiny_hf,tokenized_requests=True,max_length=1024 --include_path tasks "
+        "--tasks my_task,my_task_text,held_out --batch_size 1 --log_samples --output_path lm_eval_served")},
     **{command: "the reader's task files: tests/test_eval.py::test_the_docs_commands_run_and_lm_eval_on_the_hf_export_gives_the_"
                 "same_scores_and_picks_item_by_item writes them and runs these" for command in (
         ".venv/bin/python -m checkpoint eval runs/sft_tiny --tasks my_task.jsonl text:my_task.jsonl --perplexity held_out.jsonl "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,7 +97,9 @@ def test_a_seed_gives_the_same_sampled_reply_twice_and_another_seed_another(clie
     ({"messages": ASK, "stop": ["a", ""]}, "stop"),
     ({"messages": ASK, "seed": "seven"}, "seed"),
     ({"messages": ASK, "stream": "yes"}, "stream"),
-    ({"messages": ASK, "n": 2}, "n"),
+    ({"messages": ASK, "n": 9}, "n"),
+    ({"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": "hi", "weight": NaN}]}', "messages[0].weight"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1e999}', "top_p"),
@@ -439,3 +442,153 @@ def test_a_lora_run_and_a_minimind3_shaped_moe_run_are_served_with_chats_reply_a
         assert got["choices"][0]["message"]["content"] == chat_reply(model, tok, ASK, 16, 0.0)[0]
         scores = evaluate_tasks(load_model(tmp_path / name, fp32=True), tok, [read_tasks("arith")[0]])
         assert scores["overall"]["items"] == 100 and 0 <= scores["overall"]["acc"] <= 1
+
+
+# ---------------------------------------------------------------------------------------------- completions, logprobs, n
+
+@pytest.mark.unit
+def test_completions_echo_gives_each_prompt_ids_log_softmax_and_a_string_prompt_is_generates_continuation(client):
+    from cli.generate import generate_text
+    from data.tokenizer import ByteTokenizer
+
+    tok, model = ByteTokenizer(), tiny_model()
+    prompt = [tok.bos, *b"The sum of 3 and 4 is"]
+    got = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}).json()
+    (choice,) = got["choices"]
+    lp = choice["logprobs"]
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt]))[0][0].float(), -1)
+    wanted = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == len(prompt) + 1
+    assert torch.allclose(torch.tensor(lp["token_logprobs"][1:len(prompt)]), wanted, rtol=1e-5, atol=1e-6)
+    drawn = int(reference[-1].argmax())  # greedy: the id drawn after the prompt is the likeliest, and is the likeliest listed
+    assert lp["token_logprobs"][-1] == pytest.approx(float(reference[-1, drawn]), abs=1e-5) == max(lp["top_logprobs"][-1].values())
+    assert choice["text"] == tok.decode(prompt) + tok.decode([drawn]) and got["usage"]["prompt_tokens"] == len(prompt)
+    assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:]) and lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    text = client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
+    assert "Once upon" + text == generate_text(model, "Once upon", 12, 0.0, tok=tok)
+
+
+@pytest.mark.unit
+def test_n_choices_are_each_the_reply_alone_seeded_from_the_seed_and_their_index_streamed_or_not(client):
+    from cli.serve import choice_seed
+
+    body = {"prompt": ["Hello", "A second prompt"], "max_tokens": 10, "temperature": 1.0, "top_p": 1.0, "seed": 5, "n": 3}
+    got = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    for p, prompt in enumerate(body["prompt"]):
+        for c in range(3):
+            alone = client.post("/v1/completions", json={**body, "prompt": prompt, "n": 1, "seed": choice_seed(5, c)}).json()
+            assert got["choices"][p * 3 + c]["text"] == alone["choices"][0]["text"]
+    assert len({c["text"] for c in got["choices"][:3]}) > 1  # the choices differ
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = events(r.iter_lines())
+    for i, choice in enumerate(got["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"] and mine[-1]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["usage"] == got["usage"]
+    chat = {"messages": ASK, "max_tokens": 8, "temperature": 1.0, "seed": 9, "n": 2}
+    both = client.post("/v1/chat/completions", json=chat).json()["choices"]
+    for c in range(2):
+        alone = client.post("/v1/chat/completions", json={**chat, "n": 1, "seed": choice_seed(9, c)}).json()["choices"][0]
+        assert both[c]["message"]["content"] == alone["message"]["content"]
+
+
+@pytest.mark.unit
+def test_chat_logprobs_list_each_drawn_token_with_its_likeliest_and_models_by_id(client):
+    got = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                                    "top_logprobs": 3}).json()
+    content = got["choices"][0]["logprobs"]["content"]
+    assert len(content) >= got["usage"]["completion_tokens"] and all(len(e["top_logprobs"]) == 3 for e in content)
+    for e in content:  # greedy: each drawn token is the likeliest
+        values = [t["logprob"] for t in e["top_logprobs"]]
+        assert values == sorted(values, reverse=True) and e["logprob"] == values[0] and e["bytes"] == list(e["token"].encode())
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    missing = client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [5, 300]}, "prompt[0]"),
+    ({"prompt": [[1, 2], [-1]]}, "prompt[1]"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [["a"]]}, "prompt[0]"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "hi", "echo": "yes"}, "echo"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "max_tokens": 200}, "max_tokens"),
+    ({"prompt": "x" * 100}, "prompt"),
+])
+def test_a_bad_completions_request_is_400_naming_the_field(client, body, param):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+MIXED = [  # choices whose lengths in characters, bytes and byte tokens disagree, so acc_norm is tested (as tests/test_eval.py)
+    {"question": "猫的英文是什么？", "A": "cat", "B": "狗", "C": "a small bird", "D": "鱼类", "answer": "A"},
+    {"question": "Which is a fruit?", "A": "苹果", "B": "stone", "C": "桌子和椅子", "D": "river bank", "answer": "A"},
+    {"question": "1 + 1 = ?", "A": "二", "B": "two", "C": "3", "D": "eleven", "answer": "B"},
+]
+
+
+@pytest.mark.e2e
+def test_lm_evals_local_completions_through_the_server_scores_as_eval_does_item_by_item(run, tmp_path):
+    """docs/serving.md's lm-eval commands: the harness's `local-completions` model, driving our server,
+    gives `python -m checkpoint eval`'s acc and acc_norm per task, its picks item by item, and its
+    perplexity (documents within one window), on docs/eval.md's local tasks."""
+    import shlex
+
+    from objectives import benchmark
+
+    items = [*({"question": i.question, **dict(zip("ABCD", i.choices)), "answer": "ABCD"[i.answer]}
+               for i in benchmark.builtin_arith()[:20]), *MIXED]
+    (tmp_path / "my_task.jsonl").write_text("".join(json.dumps(i, ensure_ascii=False) + "\n" for i in items), encoding="utf-8")
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in (
+        "os.path.join joins one or more path components intelligently. " * 3, "天空是蓝色的。Short line.")), encoding="utf-8")
+    (tmp_path / "tasks").mkdir()
+    for block in re.findall(r"```yaml\n(.*?)```", (launch.ROOT / "docs" / "eval.md").read_text(), re.S):
+        task = re.match(r"task: (\w+)", block).group(1)
+        (tmp_path / "tasks" / f"{task}.yaml").write_text(block, encoding="utf-8")
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(launch.ROOT)}
+    proc = subprocess.run([launch.PY, "-m", "checkpoint", "eval", str(run), "--tasks", "my_task.jsonl", "text:my_task.jsonl",
+                           "--perplexity", "held_out.jsonl", "--out", "results.json"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads((tmp_path / "results.json").read_text())
+
+    block = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), re.S)[1]
+    serve_line, *commands = [line.strip() for line in block.splitlines() if line.strip()]
+    assert serve_line.endswith(" &") and len(commands) == 1
+    args = shlex.split(serve_line[:-2].replace(".venv/bin/python", launch.PY).replace("runs/sft_tiny", str(run)))
+    server = Server([*args[:args.index("--port")], "--port", "0"])
+    try:
+        proc = subprocess.run([launch.PY, "-m", "checkpoint", "export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for line in commands:
+            line = line.replace(".venv/bin/python", launch.PY).replace(".venv/bin/lm_eval", str(Path(launch.PY).parent / "lm_eval"))
+            line = line.replace("runs/sft_tiny_hf", str(tmp_path / "hf")).replace("runs/sft_tiny", str(run))
+            line = line.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+            proc = subprocess.run(shlex.split(line), cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=env)
+            assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    finally:
+        server.stop()
+    (results,) = (tmp_path / "lm_eval_served").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]
+    for name in ("my_task", "my_task_text"):
+        mine = ours["tasks"][name]
+        assert mine["items"] == len(items)
+        assert (mine["acc"], mine["acc_norm"]) == (theirs[name]["acc,none"], theirs[name]["acc_norm,none"])
+        (samples,) = [p for p in (tmp_path / "lm_eval_served").rglob("samples_*.jsonl") if re.fullmatch(rf"samples_{name}_\d.*", p.name)]
+        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+        assert len(rows) == len(items)
+        for pick, row, item in zip(mine["picks"], rows, items):
+            lls = [float(r[0][0]) for r in row["resps"]]
+            texts = list("ABCD") if name == "my_task" else [item[k] for k in "ABCD"]
+            assert {k: pick[k] for k in ("pred", "pred_norm")} == {k: v for k, v in benchmark.choose(lls, texts).items()
+                                                                   if k != "pred_bytes"}, (name, row["doc_id"])
+    mine = ours["perplexity"]["held_out.jsonl"]
+    assert mine["byte_perplexity"] == pytest.approx(theirs["held_out"]["byte_perplexity,none"], rel=1e-5)
+    assert mine["bits_per_byte"] == pytest.approx(theirs["held_out"]["bits_per_byte,none"], rel=1e-5)
