@@ -141,3 +141,25 @@ def test_the_helper_keeps_published_chunks_across_a_stop_computes_only_the_rest_
     tables.precompute(files, needed, compute, empty, OneRank(), True, agree, "t", ".ref-")
     assert calls == needed[16:24].tolist()
     assert files_of(files.folder) == files_of(tmp_path / "whole.ref-x")
+
+
+@pytest.mark.e2e
+def test_a_precompute_stopped_on_two_processes_continues_on_one_to_the_one_process_runs_table_and_bits(prefs, tmp_path):
+    """The chunks are a function of the rows the run reads, not of the world size: a round of two
+    chunks published by two ranks is the one process's first two chunks."""
+    args = ["--config", "configs/tiny.yaml", *base(prefs, tmp_path / "cache")]
+    launch.run(0, *["--config", "configs/tiny.yaml", *base(prefs, tmp_path / "ref-cache")], f"out_dir={tmp_path / 'ref'}")
+    log = tmp_path / "two.log"
+    proc = launch.start(launch.command(2, *args, f"out_dir={tmp_path / 'run'}", script=SLOW, launcher="runtime.launch"), log,
+                        env={"SLOW_TABLE_S": "0.25"})
+    launch.wait_for(lambda: listed(tmp_path / "cache") >= 1, proc=proc, timeout=200)
+    launch.kill_tree(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]  # the launcher's code for a stop
+    text = log.read_text()
+    assert text.count("exit 75 (resume me)") == 2 and "Traceback" not in text, text[-3000:]
+    kept = listed(tmp_path / "cache")
+    assert 0 < kept < 4
+    proc = launch.run(0, *args, f"out_dir={tmp_path / 'run'}")
+    assert f"{8 * kept} of the 31 rows the run reads verified" in proc.stderr, proc.stderr[-3000:]
+    assert files_of(table_of(tmp_path / "cache")) == files_of(table_of(tmp_path / "ref-cache"))
+    launch.assert_identical(tmp_path / "run", tmp_path / "ref")
