@@ -21,7 +21,7 @@ import re
 import shutil
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -633,18 +633,29 @@ def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor)}
 
 
+_digests = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="ckpt-digest")
+"""The optimizer identity's per-tensor sha256s, in parallel (hashlib releases the GIL over a buffer)."""
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
 def optimizer_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """The optimizer state's identity (the manifest's "optimizer_sha256"): sha256 over every tensor of
-    `optimizer_tensors` in sorted name order, its name, dtype, shape and bytes as stored. What a resume
-    loaded is checked against it, as the model's identity: a metadata or a file that hands one
-    parameter's moments to another, with the hashes rewritten to match, is refused."""
+    """The optimizer state's identity (the manifest's "optimizer_sha256"): sha256 over one line per
+    tensor of `optimizer_tensors` in sorted name order, its name, dtype, shape and the sha256 of its
+    bytes as stored (those computed in parallel; a sharded tensor gathered whole one at a time, on
+    every rank alike). What a resume loaded is checked against it, as the model's identity: a
+    metadata or a file that hands one parameter's moments to another, with the hashes rewritten to
+    match, is refused."""
+    names = sorted(tensors)
+    if any(hasattr(tensors[n], "full_tensor") for n in names):  # shards: each gathered (a collective), hashed and dropped in turn
+        digests = {n: _digest(tensors[n].full_tensor() if hasattr(tensors[n], "full_tensor") else tensors[n]) for n in names}
+    else:
+        digests = {n: f.result() for n, f in {n: _digests.submit(_digest, tensors[n]) for n in names}.items()}
     h = hashlib.sha256(b"optimizer-identity 1\n")
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        t = t.to("cpu").contiguous()
-        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    for n in names:
+        h.update(f"{n}\0{tensors[n].dtype}\0{list(tensors[n].shape)}\0{digests[n]}\n".encode())
     return h.hexdigest()
 
 
