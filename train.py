@@ -37,7 +37,7 @@ from data.loader import make_sampler, step_batches
 from data.run import data_of_run, summary
 from model import MiniMindLM
 from model.lora import attach
-from objectives import NextToken, lr_at, make_objective, make_optimizer, make_plan, optimizer_step, validation
+from objectives import Objective, lr_at, make_objective, make_optimizer, make_plan, optimizer_step, validation
 from objectives.benchmark import TaskScores
 from run import folder, tracking
 from run.live import Live, LiveMetrics
@@ -63,7 +63,7 @@ class Run:
     scaler: torch.amp.GradScaler | None
     train_state: TrainState
     ckpt: CheckpointManager
-    objective: NextToken
+    objective: Objective
     unigram_entropy: float
     sharded: bool
     compiled: runtime.speed.CompileWatch | None
@@ -212,7 +212,7 @@ def train_step(cfg: Config, rt: runtime.Runtime, run: Run, reducer, micro_batche
     if (loss := reducer.reduce()) is None:  # live recovery: a peer failed, the step is not committed and is done again
         return None
     # PPO after its early stop steps no optimizer (MiniMind's)
-    optimizer_step(run.opt, scaler, reducer, cfg.train.grad_clip, skip=getattr(run.objective, "skip_update", False))
+    optimizer_step(run.opt, scaler, reducer, cfg.train.grad_clip, skip=run.objective.skip_update)
     return loss
 
 

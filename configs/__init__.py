@@ -27,11 +27,7 @@ from data.prepare import VERIFY
 from data.sampler import ORDERS
 from model.config import ModelConfig
 from model.lora import LoRAConfig, target_names
-from objectives.distill import DistillConfig
-from objectives.dpo import DPOConfig
-from objectives.agent import AgentConfig
-from objectives.grpo import GRPOConfig
-from objectives.ppo import PPOConfig
+from objectives import spec as registry
 from runtime.ft import FTConfig
 from runtime.setup import DistConfig, RuntimeConfig, choice
 
@@ -46,7 +42,10 @@ def _positive(key: str, value: float, zero_ok: bool = False) -> None:
 
 
 @dataclass
-class TrainConfig:
+class TrainKeys:
+    """train.*: the keys of every objective; each objective's own section (train.dpo, train.grpo, ...) is added from
+    the registry below (TrainConfig)."""
+
     steps: int = 200
     """Optimizer steps of the whole run (the LR schedule spans them)."""
     global_batch: int = 32
@@ -79,15 +78,7 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters over a frozen base (docs/lora.md)."""
     objective: str = "next_token"
-    """next_token (pretraining, SFT) | dpo (preference pairs, data.format=preference: docs/dpo.md) | grpo (GRPO or
-    CISPO over prompts, data.format=prompts: docs/rl.md) | distill (a teacher's distribution into the model, on text or
-    chat data: docs/distill.md) | ppo (PPO with a critic over prompts, GRPO's rollout, data.format=prompts: docs/rl.md)."""
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    """The tools of data.format=agent's multi-turn rollouts (docs/rl.md)."""
+    """What training optimizes: one of the registered objectives (objectives/spec.py), listed in --help."""
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch"):
@@ -97,18 +88,21 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
         choice("train.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        choice("train.objective", self.objective, ("next_token", "dpo", "grpo", "distill", "ppo"))
-        if self.objective == "distill" and not self.distill.teacher:
-            raise ConfigError("train.distill.teacher: train.objective=distill needs a teacher (one of our run folders, a Hugging "
-                              "Face folder or a weights file such as a MiniMind .pth)")
-        g = self.grpo.generations
-        if self.objective in ("grpo", "ppo") and (self.global_batch % g or self.micro_batch % g):
-            raise ConfigError(f"train.global_batch={self.global_batch} and train.micro_batch={self.micro_batch} count completions "
-                              f"under train.objective={self.objective}: both must be multiples of train.grpo.generations={g} (a group is "
-                              f"generated and scored within one micro-batch)")
+        choice("train.objective", self.objective, tuple(registry.objectives()))
+        for check in dict.fromkeys(s.check for s in registry.objectives()[self.objective] if s.check):  # e.g. a teacher given
+            try:
+                check(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         from runtime.speed import checkpointed_blocks
 
         checkpointed_blocks(self.activation_checkpointing, 1)  # a ValueError naming the key
+
+
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in registry.sections().items()], bases=(TrainKeys,))
+TrainConfig.__module__ = __name__
+"""train.*: TrainKeys and each registered objective's section (train.dpo, train.grpo, ..., objectives/spec.py)."""
 
 
 @dataclass
@@ -167,7 +161,7 @@ class DataConfig:
         _positive("data.num_workers", self.num_workers, zero_ok=True)
         _positive("data.val_samples", self.val_samples, zero_ok=True)
         choice("data.order", self.order, ORDERS)
-        choice("data.format", self.format, ("text", "chat", "preference", "prompts", "agent"))
+        choice("data.format", self.format, tuple(dict.fromkeys(f for s in registry.specs() for f in s.formats)))
         choice("data.loss_on", self.loss_on, ("assistant", "all"))
         if not 0.0 <= self.system_prompt_ratio <= 1.0:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
@@ -264,30 +258,11 @@ class Config:
         if self.dist.strategy == "fsdp" and self.train.dtype == "float16":
             raise ConfigError("dist.strategy=fsdp with train.dtype=float16: use bfloat16 (sharded runs take their precision from "
                               "FSDP's mixed-precision policy, and float16 would need a sharded gradient scaler)")
-        pairs = {"dpo": "preference", "grpo": "agent" if self.data.format == "agent" else "prompts", "ppo": "prompts"}
-        if self.data.format == "agent" and self.train.grpo.reward in ("answer", "answer_partial"):
-            raise ConfigError(f"train.grpo.reward={self.train.grpo.reward} with data.format=agent: it reads a line's \"answer\" "
-                              "field, which agent lines do not have (their ground truth is gt): use minimind_agent (MiniMind's agent "
-                              "reward) or a module:function")
-        if pairs.get(self.train.objective, self.data.format if self.data.format in ("text", "chat") else None) != self.data.format:
-            raise ConfigError(f"train.objective={self.train.objective} with data.format={self.data.format}: DPO trains on "
-                              f"preference pairs (train.objective=dpo with data.format=preference), GRPO on prompts "
-                              f"(train.objective=grpo with data.format=prompts), next_token and distill on text or chat")
-        if self.data.resume_seq_len == "repack" and (self.data.mix or self.data.format != "text" or self.train.objective != "next_token"):
-            raise ConfigError(f"data.resume_seq_len=repack with {'data.mix' if self.data.mix else f'data.format={self.data.format}' if self.data.format != 'text' else f'train.objective={self.train.objective}'}: "
-                              "not supported (it repacks one text corpus's token stream for next_token; a chat row or a mix's "
-                              "counts are no stream of tokens): train the new length from model.init_from instead")
-        if self.data.mix and self.train.objective != "next_token":
-            raise ConfigError(f"data.mix with train.objective={self.train.objective}: a mix trains next_token only")
-        if self.train.objective not in ("next_token", "distill") and self.eval.interval:
-            raise ConfigError(f"eval.interval with train.objective={self.train.objective}: not supported (every step logs its "
-                              f"rewards)")
-        if self.train.objective in ("grpo", "ppo") and self.dist.strategy == "fsdp":
-            raise ConfigError(f"train.objective={self.train.objective} with dist.strategy=fsdp: not supported (each rank generates its groups alone, "
-                              "which a sharded model cannot: use dist.strategy=ddp)")
-        if self.train.objective == "ppo" and self.train.lora.rank:
-            raise ConfigError("train.objective=ppo with train.lora.rank: not supported (the critic starts from the policy's whole "
-                              "weights: train the policy in full)")
+        objective_checks(self)
+        if self.data.resume_seq_len == "repack" and (self.data.mix or self.data.format != "text"):
+            raise ConfigError(f"data.resume_seq_len=repack with {'data.mix' if self.data.mix else f'data.format={self.data.format}'}: "
+                              "not supported (it repacks one text corpus's token stream; a chat row or a mix's counts are no stream "
+                              "of tokens): train the new length from model.init_from instead")
         if self.train.lora.rank:
             try:
                 target_names(self.train.lora, self.model)
@@ -320,6 +295,34 @@ class Config:
         for bad, what, why in refused:
             if bad:
                 raise ConfigError(f"ft.lighthouse with {what}: not supported ({why})")
+
+
+def objective_checks(cfg: Config) -> None:
+    """train.objective against the registry: the data format it reads, the features it supports, the combinations it
+    refuses, and every key of an objective's section it does not read set away from its default (refused naming it:
+    a run does what its config says)."""
+    name, fmt = cfg.train.objective, cfg.data.format
+    spec = registry.spec_for(name, fmt)
+    if spec is None:
+        reads = "; ".join(f"{o} reads data.format={'|'.join(f for s in ss for f in s.formats)}" for o, ss in registry.objectives().items())
+        raise ConfigError(f"train.objective={name} with data.format={fmt}: not supported ({reads})")
+    for feature, f in registry.FEATURES.items():
+        if feature not in spec.supports and registry.matches(cfg, f.key, f.value, Config):
+            works = ", ".join(s.name for s in registry.specs() if feature in s.supports) or "no objective"
+            why = spec.why.get(feature) or f"{f.words} works with {works}"
+            raise ConfigError(f"train.objective={name} with {registry.feature_words(feature)}: not supported ({why})")
+    for r in spec.refusals:
+        if all(registry.matches(cfg, key, value, Config) for key, value in r.when.items()):
+            combination = " with ".join(f"{key}={registry.value_of(cfg, key)}" for key in r.when)
+            raise ConfigError(f"train.objective={name}: {combination}: not supported ({r.reason}{': ' + r.way_on if r.way_on else ''})")
+    unread = registry.unread(cfg.train, spec, fmt)
+    if unread:
+        key, value = unread[0]
+        reads = "; ".join(f"train.{sec}.{'*' if keys == registry.ALL else '{' + ','.join(keys) + '}'}" for sec, keys in
+                          spec.read_by(fmt).items()) or "none of train.<objective>.*"
+        raise ConfigError(f"{key}={value}: train.objective={name} with data.format={fmt} does not read it (it reads {reads}); "
+                          f"remove the key{' and ' + ', '.join(k for k, _ in unread[1:]) if unread[1:] else ''} or train the objective "
+                          f"that reads it")
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -521,11 +524,15 @@ def describe() -> str:
     import inspect
 
     def docs(cls: type) -> dict[str, str]:
-        out, tree = {}, ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        for a, b in zip(body, body[1:]):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                out[a.target.id] = " ".join(str(b.value.value).split())
+        out = {}
+        for base in [c for c in cls.__mro__ if dataclasses.is_dataclass(c) and c is not TrainConfig]:  # TrainConfig: TrainKeys'
+            body = ast.parse(inspect.getsource(base)).body[0].body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    out[a.target.id] = " ".join(str(b.value.value).split())
+        if cls is TrainConfig:  # the objectives, from the registry
+            out["objective"] = " | ".join(f"{o} ({'; '.join(f'{s.summary}, data.format={chr(124).join(s.formats)}' for s in ss)}: "
+                                          f"{ss[0].docs})" for o, ss in registry.objectives().items())
         return out
 
     groups: dict[str, list[str]] = {}
@@ -546,8 +553,8 @@ def describe() -> str:
 
 
 GROUP_DOCS = {"run": "docs/run_folder.md", "model": "docs/models.md", "model.moe": "docs/models.md",
-              "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md", "train.dpo": "docs/dpo.md",
-              "train.grpo": "docs/rl.md", "train.agent": "docs/rl.md", "train.distill": "docs/distill.md", "train.distill.teacher_model": "docs/distill.md",
+              "train": "docs/resuming.md, docs/performance.md", "train.lora": "docs/lora.md",
+              **{f"train.{section}": s.docs for s in registry.specs() for section in s.sections}, "train.distill.teacher_model": "docs/distill.md",
               "train.distill.teacher_model.moe": "docs/distill.md", "data": "docs/data.md, docs/sft.md", "checkpoint": "docs/resuming.md, docs/run_folder.md",
               "dist": "docs/resuming.md, docs/sharding.md", "runtime": "docs/resuming.md", "log": "docs/watching.md",
               "eval": "docs/watching.md"}

@@ -31,7 +31,8 @@ from model.model import KVCache
 
 from . import rewards as reward_fns
 from . import tools as agent_tools
-from .grpo import GRPO, GRPOConfig, RolloutState, advantages
+from .grpo import GRPO, NO_FSDP, RL_HEADLINE, RL_PINS, GRPOConfig, RolloutState, completions_check, prompts_plan
+from .spec import ALL, MatrixValue, ObjectiveSpec, Refusal, register
 from .worker import Late, Raised, Remote, described
 
 log = logging.getLogger("minimind")
@@ -177,7 +178,7 @@ class Agent(GRPO):
                 break
             ids.extend(seen)
             pending = pending + seen
-        return {"ids": ids, "mine": mine, "turns": turns, "transcript": messages, "unfinished": unfinished,
+        return {"ids": ids, "mine": mine, "turns": turns, "transcript": messages, "unfinished": unfinished, "truncated": not ended,
                 "counts": [len(turns), calls, ok, int(unfinished)]}
 
     def _parse(self, text: str):
@@ -192,29 +193,21 @@ class Agent(GRPO):
         except Raised as e:
             raise Failed(f"train.agent.parser={self.agent.parser} raised: {described(e)}") from None
 
-    def _rollout(self, model, batch, i: int, check: bool = False) -> None:
-        rows, lengths, indices = batch
-        g, seq_len, pad = self.cfg.generations, rows.shape[1], self.tok.pad
-        tokens, masks, scores, counts = [], [], [], []
-        for row, n, index in zip(rows, lengths.tolist(), indices.tolist()):
-            prompt, fields = row[:n].tolist(), self.dataset.fields(index)
-            for r in range(g):
-                ep = self.episode(model, prompt, fields, index, r, seq_len)
-                seq = torch.full((seq_len,), pad, dtype=torch.long)
-                seq[:len(ep["ids"])] = torch.tensor(ep["ids"])
-                mask = torch.zeros(seq_len - 1, dtype=torch.bool)
-                mask[torch.tensor(ep["mine"], dtype=torch.long) - 1] = True  # the targets that are the model's own ids
-                tokens.append(seq)
-                masks.append(mask)
-                counts.append(ep["counts"])
-                seen = {**fields, "turns": ep["turns"], "unfinished": ep["unfinished"], "transcript": ep["transcript"]}
-                args = (self.reward, fields["prompt"], ep["turns"][-1], seen, index, fields["line"], self.cfg.reward_timeout_s)
-                scores.append(reward_fns.score(*args))
-                if check and len(scores) == 1:
-                    reward_fns.check_pure(self.cfg.reward, scores[0], reward_fns.score(*args), index, fields["line"])
-        r = torch.tensor(scores, dtype=torch.float32)
-        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g),
-                          "counts": torch.tensor(counts, dtype=torch.float32)}
+    def group(self, model, prompt: list[int], fields: dict, index: int, seq_len: int) -> list[dict]:
+        """GRPO's hook: the group's completions are episodes, one at a time; the reward scores the last turn's text
+        and sees every turn's, `unfinished` and the transcript; an episode whose last turn ended without an EOS is
+        truncated (train.grpo.mask_truncated)."""
+        out = []
+        for r in range(self.cfg.generations):
+            ep = self.episode(model, prompt, fields, index, r, seq_len)
+            seen = {**fields, "turns": ep["turns"], "unfinished": ep["unfinished"], "transcript": ep["transcript"]}
+            out.append({"ids": ep["ids"], "mine": ep["mine"], "text": ep["turns"][-1], "seen": seen, "truncated": ep["truncated"],
+                        "extra": ep["counts"]})
+        return out
+
+    def kept(self, extras: list) -> dict[str, torch.Tensor]:
+        """Each episode's counts, beside the rollout (the resume state) for the step's metrics."""
+        return {"counts": torch.tensor(extras, dtype=torch.float32)}
 
     # ---------------------------------------------------------------- a step
     def begin_step(self, indices: list[int], step: int = 0) -> None:
@@ -237,3 +230,16 @@ class Agent(GRPO):
 
     def states(self) -> dict:
         return {"rollout": AgentRolloutState(self, self.rt)} if self.cfg.updates_per_rollout > 1 else {}
+
+
+register(ObjectiveSpec(
+    name="agent", objective="grpo", order=50, summary="GRPO over multi-turn episodes with tools", docs="docs/rl.md",
+    formats=("agent",), classes=(Agent,), sections={"agent": AgentConfig}, reads={"grpo": ALL, "agent": ALL},
+    build=lambda c: Agent(c.dataset, c.micro_batches, c.cfg.train.global_batch, c.cfg.train.grpo, c.cfg.train.agent, c.cfg.seed, c.tok,
+                          c.rt, c.model),
+    plan=prompts_plan, supports=frozenset({"lora"}), why={"fsdp": NO_FSDP}, check=completions_check,
+    refusals=(Refusal({"train.grpo.reward": ("answer", "answer_partial"), "data.format": "agent"},
+                      "it reads a line's \"answer\" field, which agent lines do not have (their ground truth is gt)",
+                      "use minimind_agent (MiniMind's agent reward) or a module:function"),),
+    pins=(*RL_PINS, "the tools' and the parser's sha256 and max_turns (the manifest's reward)"), headline=RL_HEADLINE,
+    matrix=(MatrixValue("agent", "agent"),)))

@@ -47,6 +47,7 @@ from weights import architecture_of
 
 from . import tables
 from .reference import pinned_reference, run_tokenizer, source_tokenizer, vocabulary
+from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
 log = logging.getLogger("minimind")
 KEY = "train.distill.teacher"
@@ -145,6 +146,8 @@ class TopK:
 class Distill:
     """A micro-batch's distillation loss (module docstring); the interface of objectives.NextToken."""
 
+    skip_update = False
+
     def __init__(self, dataset, micro_batches: int, micro_batch: int, chat: bool, cfg: DistillConfig, model=None) -> None:
         self.dataset, self.micro_batches, self.micro_batch, self.chat, self.cfg = dataset, micro_batches, micro_batch, chat, cfg
         self.moe = model if model is not None and model.moe_layers() else None
@@ -159,7 +162,7 @@ class Distill:
         self.indices, self.stats = indices, []
         self.taught = self.dataset.taught(indices) if self.chat else len(indices) * self.dataset.seq_len
 
-    def prepare(self, *args) -> None:
+    def prepare(self, model, micro_batches: list, rt, agree, stop=None) -> None:
         """Nothing before a step's forwards."""
 
     def states(self) -> dict:
@@ -299,3 +302,18 @@ class Distill:
 
         return TopK.of(tables.precompute(table, needed, compute, {"logits": empty.logits, "ids": empty.ids}, rt, writer, agree,
                                          "train.distill.top_k", ".teacher-"))
+
+
+def _needs_teacher(train) -> None:
+    if not train.distill.teacher:
+        raise ValueError("train.distill.teacher: train.objective=distill needs a teacher (one of our run folders, a Hugging Face "
+                         "folder or a weights file such as a MiniMind .pth)")
+
+
+register(ObjectiveSpec(
+    name="distill", order=20, summary="a frozen teacher's distribution into the model, on text or chat", docs="docs/distill.md",
+    formats=("text", "chat"), classes=(Distill,),
+    build=lambda c: Distill(c.dataset, c.micro_batches, c.cfg.train.micro_batch, c.cfg.data.format == "chat", c.cfg.train.distill, c.model),
+    sections={"distill": DistillConfig}, reads={"distill": ALL}, supports=frozenset({"eval", "fsdp", "lora"}), check=_needs_teacher,
+    pins=("the teacher's identity and architecture (the manifest's teacher)", "train.distill.top_k's table beside the packed rows"),
+    headline=(("loss", "loss"), ("agreement", "top1_agreement")), matrix=(MatrixValue("distill", "distill"),)))

@@ -35,6 +35,7 @@ from runtime import autocast as runtime_autocast
 
 from . import tables
 from .reference import pinned_reference
+from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
 log = logging.getLogger("minimind")
 STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -78,6 +79,8 @@ def reference_logps(reference, batch, device, segments: int) -> torch.Tensor:
 class DPO:
     """A micro-batch's DPO loss (module docstring); the interface of objectives.NextToken."""
 
+    skip_update = False
+
     def __init__(self, dataset, micro_batches: int, micro_batch: int, cfg: DPOConfig, model=None) -> None:
         self.dataset, self.micro_batches, self.micro_batch, self.cfg = dataset, micro_batches, micro_batch, cfg
         self.segments = 2 * dataset.max_pairs
@@ -92,7 +95,7 @@ class DPO:
     def begin_step(self, indices: list[int], step: int = 0) -> None:
         self.indices, self.pairs, self.stats = indices, self.dataset.pairs(indices), []
 
-    def prepare(self, *args) -> None:
+    def prepare(self, model, micro_batches: list, rt, agree, stop=None) -> None:
         """Nothing before a step's forwards."""
 
     def states(self) -> dict:
@@ -178,3 +181,12 @@ def _precomputed(dpo: DPO, reference, rt, table: tables.TableFiles, needed: np.n
 def ln2() -> float:
     """The loss of a policy equal to its reference: -log sigmoid(0)."""
     return math.log(2.0)
+
+
+register(ObjectiveSpec(
+    name="dpo", order=10, summary="DPO over preference pairs against a pinned reference", docs="docs/dpo.md", formats=("preference",),
+    build=lambda c: DPO(c.dataset, c.micro_batches, c.cfg.train.micro_batch, c.cfg.train.dpo, c.model), classes=(DPO,),
+    sections={"dpo": DPOConfig}, reads={"dpo": ALL}, supports=frozenset({"fsdp", "lora"}),
+    pins=("the reference's identity (the manifest's reference)", "train.dpo.precompute's table beside the packed rows, keyed by it"),
+    headline=(("loss", "loss"), ("accuracy", "rewards/accuracies")),
+    matrix=(MatrixValue("dpo_live", "dpo", ("train.dpo.precompute=false",)), MatrixValue("dpo_pre", "dpo"))))

@@ -58,6 +58,7 @@ from runtime.board import hand_off
 
 from . import rewards as reward_fns
 from .reference import pinned_reference
+from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
 log = logging.getLogger("minimind")
 STREAM = 0x47525030  # "GRP0": completion r of a prompt draws from derive_seed(seed, STREAM, step, prompt index, r)
@@ -197,6 +198,8 @@ def reduce_loss(per_token, m, norm: str, micro_batches: int, sequences: int, den
 class GRPO:
     """A micro-batch's RL loss (module docstring); the interface of objectives.NextToken."""
 
+    skip_update = False
+
     def __init__(self, dataset, micro_batches: int, global_completions: int, cfg: GRPOConfig, seed: int, tok, rt, model=None) -> None:
         self.dataset, self.micro_batches, self.global_completions, self.cfg, self.seed = dataset, micro_batches, global_completions, cfg, seed
         self.tok, self.policy = tok, model
@@ -297,31 +300,50 @@ class GRPO:
             for ro in self.buffer.values():
                 ro["advantages"] = advantages(ro["rewards"], self.cfg.generations, "batch", self.cfg.std == "sample", batch)
 
+    # ---------------------------------------------------------------- the rollout: one path, a hook per variant
+    def group(self, model, prompt: list[int], fields: dict, index: int, seq_len: int) -> list[dict]:
+        """The hook a variant overrides (objectives/agent.py: episodes with tools): prompt `index`'s `generations`
+        completions, each {"ids": the whole sequence, "mine": the positions of the model's own ids, "text": what the
+        reward scores, "seen": the fields the reward sees, "truncated": no EOS ended it, "extra": the variant's own
+        figures (None)}. GRPO's: the group generated as one fixed-shape unit, each completion through its first EOS."""
+        gens = [torch.Generator().manual_seed(derive_seed(self.seed, STREAM, self.step, index, r)) for r in range(self.cfg.generations)]
+        completions = generate_group(model, prompt, gens, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p)
+        eos, n, out = self.tok.eos, len(prompt), []
+        for c in completions.tolist():
+            end = c.index(eos) + 1 if eos in c else len(c)  # through the first EOS
+            out.append({"ids": prompt + c[:end], "mine": range(n, n + end), "text": self.tok.decode([t for t in c[:end] if t != eos]),
+                        "seen": fields, "truncated": eos not in c, "extra": None})
+        return out
+
     def _rollout(self, model, batch, i: int, check: bool = False) -> None:
+        """Micro-batch `i`'s rollout into the buffer: each prompt's group (the `group` hook), the loss mask (the model's
+        own ids; none of a truncated completion's under mask_truncated), the rewards and the advantages
+        (scale_rewards, std; batch: prepare's, of the global batch), whatever the variant."""
         rows, lengths, indices = batch
-        g, seq_len = self.cfg.generations, rows.shape[1]
-        pad, eos = self.tok.pad, self.tok.eos
-        tokens, masks, scores = [], [], []
+        g, seq_len, pad = self.cfg.generations, rows.shape[1], self.tok.pad
+        tokens, masks, scores, extras = [], [], [], []
         for row, n, index in zip(rows, lengths.tolist(), indices.tolist()):
-            prompt = row[:n].tolist()
-            gens = [torch.Generator().manual_seed(derive_seed(self.seed, STREAM, self.step, index, r)) for r in range(g)]
-            completions = generate_group(model, prompt, gens, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p)
-            fields = self.dataset.fields(index)
-            for c in completions.tolist():
-                end = c.index(eos) + 1 if eos in c else len(c)  # through the first EOS
+            prompt, fields = row[:n].tolist(), self.dataset.fields(index)
+            for c in self.group(model, prompt, fields, index, seq_len):
                 seq = torch.full((seq_len,), pad, dtype=torch.long)
-                seq[:n], seq[n:n + end] = torch.tensor(prompt), torch.tensor(c[:end])
+                seq[:len(c["ids"])] = torch.tensor(c["ids"])
                 mask = torch.zeros(seq_len - 1, dtype=torch.bool)
-                mask[n - 1:n - 1 + end] = not (self.cfg.mask_truncated and eos not in c)  # the completion's targets
+                if not (self.cfg.mask_truncated and c["truncated"]):
+                    mask[torch.tensor(c["mine"], dtype=torch.long) - 1] = True  # the targets that are the model's own ids
                 tokens.append(seq)
                 masks.append(mask)
-                text = self.tok.decode([t for t in c[:end] if t != eos])
-                args = (self.reward, fields["prompt"], text, fields, index, fields["line"], self.cfg.reward_timeout_s)
+                extras.append(c["extra"])
+                args = (self.reward, fields["prompt"], c["text"], c["seen"], index, fields["line"], self.cfg.reward_timeout_s)
                 scores.append(reward_fns.score(*args))
                 if check and len(scores) == 1:  # this rank's first completion of the rollout, scored again: the same value
                     reward_fns.check_pure(self.cfg.reward, scores[0], reward_fns.score(*args), index, fields["line"])
         r = torch.tensor(scores, dtype=torch.float32)
-        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r, "advantages": advantages(r, g, self.cfg.scale_rewards, self.cfg.std == "sample", r)}  # batch: prepare's, of the global batch
+        self.buffer[i] = {"tokens": torch.stack(tokens), "mask": torch.stack(masks), "rewards": r,
+                          "advantages": advantages(r, g, self.cfg.scale_rewards, self.cfg.std == "sample", r), **self.kept(extras)}
+
+    def kept(self, extras: list) -> dict[str, torch.Tensor]:
+        """The hook for what a variant keeps beside its rollout (the resume state): nothing of GRPO's."""
+        return {}
 
     def loss(self, net, batch, device, i: int = 0) -> torch.Tensor:
         ro = self.buffer[i]
@@ -408,3 +430,36 @@ class RolloutState:
         self.grpo.buffer = {i: {k: state[k][j * per:(j + 1) * per].clone() for k in self.KEYS if k in state} for j, i in enumerate(order)}
         if self.grpo.cfg.norm != "sequence":  # the denominator, from the whole rollout (its advantages are saved)
             self.grpo._globals(self.grpo.buffer, rescale=False)
+
+
+def completions_check(train) -> None:
+    """train.global_batch and train.micro_batch count completions: whole groups (GRPO, PPO, agents)."""
+    g = train.grpo.generations
+    if train.global_batch % g or train.micro_batch % g:
+        raise ValueError(f"train.global_batch={train.global_batch} and train.micro_batch={train.micro_batch} count completions "
+                         f"under train.objective={train.objective}: both must be multiples of train.grpo.generations={g} (a group is "
+                         f"generated and scored within one micro-batch)")
+
+
+def prompts_plan(cfg, serves: int | None = None) -> tuple[int, int, int]:
+    """The batch plan in prompts: train.global_batch and train.micro_batch count completions; a batch serves
+    updates_per_rollout steps (`serves`, else train.grpo's)."""
+    g = cfg.train.grpo.generations
+    return cfg.train.global_batch // g, cfg.train.micro_batch // g, serves or cfg.train.grpo.updates_per_rollout
+
+
+RL_PINS = ("the reward's sha256 (the manifest's reward): a changed file refused on resume",
+           "the reference's identity when train.grpo.beta > 0 (the manifest's reference)",
+           "the rollout under update (state rollout) when updates_per_rollout > 1")
+RL_HEADLINE = (("reward", "reward/mean"), ("loss", "loss"))
+NO_FSDP = "each rank generates its groups alone, which a sharded model cannot"
+
+register(ObjectiveSpec(
+    name="grpo", order=30, summary="GRPO, CISPO and TRL's family over prompts with a verifiable reward", docs="docs/rl.md",
+    formats=("prompts",), classes=(GRPO,), sections={"grpo": GRPOConfig}, reads={"grpo": ALL},
+    build=lambda c: GRPO(c.dataset, c.micro_batches, c.cfg.train.global_batch, c.cfg.train.grpo, c.cfg.seed, c.tok, c.rt, c.model),
+    plan=prompts_plan, supports=frozenset({"lora"}), why={"fsdp": NO_FSDP}, check=completions_check, pins=RL_PINS, headline=RL_HEADLINE,
+    matrix=(MatrixValue("grpo", "grpo"), MatrixValue("cispo2", "grpo", ("train.grpo.loss=cispo", "train.grpo.updates_per_rollout=2")),
+            # TRL's default: token-level over the global batch, batch-scaled rewards, truncations masked
+            MatrixValue("dapo", "grpo", ("train.grpo.loss=dapo", "train.grpo.scale_rewards=batch", "train.grpo.mask_truncated=true",
+                                         "train.grpo.updates_per_rollout=2")))))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .spec import MatrixValue, ObjectiveSpec, register
+
 
 class NextToken:
     """A micro-batch's loss for text rows (input, target) or chat rows (input, target with -100
@@ -24,6 +26,8 @@ class NextToken:
     summed in micro-batch order), and `tokens/<name>`, the row positions trained on from it since
     the run began: exact on any world size too (docs/data.md)."""
 
+    skip_update = False
+
     def __init__(self, dataset, micro_batches: int, chat: bool, model=None) -> None:
         self.dataset, self.micro_batches, self.chat = dataset, micro_batches, chat
         self.model = model if model is not None and model.moe_layers() else None
@@ -34,10 +38,10 @@ class NextToken:
         self.indices: list[int] = []
         self.step = 0
 
-    def start(self, *args) -> None:
+    def start(self, cfg, rt, meta, resumed, agree, tok_files: dict[str, bytes]) -> None:
         """Nothing beside the model (objectives/dpo.py's reads its reference here)."""
 
-    def prepare(self, *args) -> None:
+    def prepare(self, model, micro_batches: list, rt, agree, stop=None) -> None:
         """Nothing before a step's forwards (objectives/grpo.py's rollout is there)."""
 
     def states(self) -> dict:
@@ -147,3 +151,12 @@ def validation(model, val, micro: int, samples: int, rt, autocast, sharded: bool
         n = min(samples or len(part), len(part))
         total, count = total + out[f"val_loss/{name}"] * n, count + n
     return {"val_loss": total / count, **out}
+
+
+register(ObjectiveSpec(
+    name="next_token", order=0, summary="pretraining on text, SFT on chat", docs="docs/sft.md", formats=("text", "chat"),
+    build=lambda c: NextToken(c.dataset, c.micro_batches, c.cfg.data.format == "chat", c.model), classes=(NextToken,),
+    supports=frozenset({"mix", "repack", "eval", "fsdp", "lora"}),
+    headline=(("loss", "loss"), ("val_loss", "val_loss")),
+    matrix=(MatrixValue("pretrain", "pretrain"), MatrixValue("mix", "mix"), MatrixValue("sft", "sft"),
+            MatrixValue("lora", "lora", ("train.lora.rank=4", "train.lora.targets=q_proj,v_proj")))))

@@ -27,8 +27,9 @@ from common.outcome import attempt
 from common.seeds import derive_seed
 from model.critic import Critic
 
-from .grpo import GRPO, RolloutState, token_logps
+from .grpo import GRPO, NO_FSDP, RL_PINS, RolloutState, completions_check, prompts_plan, token_logps
 from .optim import lr_at, make_optimizer
+from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
 CRITIC_STREAM = 0x50504F56  # "PPOV": the value head's init draws from derive_seed(seed, CRITIC_STREAM)
 
@@ -306,3 +307,18 @@ class PPOState(RolloutState):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.grpo.stopped = bool(state["stopped"])
+
+
+ROLLOUT_KEYS = ("generations", "temperature", "top_p", "max_new_tokens", "mask_truncated", "reference", "reward", "reward_timeout_s")
+"""The keys of train.grpo that PPO reads (GRPO's rollout); its loss, KL weight and updates are train.ppo's."""
+
+register(ObjectiveSpec(
+    name="ppo", order=40, summary="PPO with a critic over prompts, GRPO's rollout", docs="docs/rl.md", formats=("prompts",),
+    classes=(PPO,), sections={"ppo": PPOConfig}, reads={"grpo": ROLLOUT_KEYS, "ppo": ALL},
+    build=lambda c: PPO(c.dataset, c.micro_batches, c.cfg.train.global_batch, c.cfg.train.grpo, c.cfg.train.ppo, c.cfg.train, c.cfg.seed,
+                        c.tok, c.rt, c.model),
+    plan=lambda cfg: prompts_plan(cfg, cfg.train.ppo.updates_per_rollout), supports=frozenset(), check=completions_check,
+    why={"fsdp": NO_FSDP, "lora": "the critic starts from the policy's whole weights: train the policy in full"},
+    pins=(*RL_PINS[:2], "the critic and its optimizer (states critic, critic_optimizer)",
+          "the rollout with the critic's values and the early stop (state rollout) when updates_per_rollout > 1"),
+    headline=(("reward", "reward/mean"), ("loss", "loss")), matrix=(MatrixValue("ppo", "ppo"),)))

@@ -609,7 +609,7 @@ MUTANTS = (
            "objectives/grpo.py", "            self.grpo._globals(self.grpo.buffer, rescale=False)", "            pass",
            (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
     Mutant("grpo-truncated-not-masked", "train.grpo.mask_truncated: a completion without an EOS takes no part in the loss (issue 45)",
-           "objectives/grpo.py", "= not (self.cfg.mask_truncated and eos not in c)", "= True",
+           "objectives/grpo.py", "                if not (self.cfg.mask_truncated and c[\"truncated\"]):\n", "                if True:\n",
            (FAMILY_CHAIN + "[dapo-batch-truncated]",)),
     Mutant("gspo-ratio-per-token", "importance_sampling=sequence: the ratio of a sequence is exp of its mean log-ratio (GSPO, issue 45)",
            "objectives/grpo.py", "    if cfg.importance_sampling == \"sequence\":\n        m = mask.float()", "    if False:\n        m = mask.float()",
@@ -701,6 +701,14 @@ MUTANTS = (
     Mutant("unit-draws-without-its-font-cache", "the unit tier passes where matplotlib never ran: its font cache is built before the guard (docs/tests.md)",
            "tests/test_distill.py", "_the_run_does_not_log(tmp_path, matplotlib_ready):", "_the_run_does_not_log(tmp_path):",
            ("tests/test_first_hour.py::test_the_unit_tier_draws_on_a_machine_where_matplotlib_never_ran",)),
+    Mutant("objective-unread-key-accepted", "a key of an objective's section that the chosen objective does not read, set away from its default, "
+           "is refused naming it (issue 58)",
+           "objectives/spec.py", '            if key.split(".")[2] not in honoured and value != default:\n', "            if False:\n",
+           ("tests/test_objectives.py::test_a_key_an_objective_does_not_read_set_away_from_its_default_is_refused_naming_it_under_every_objective",)),
+    Mutant("agent-advantages-unscaled", "the agent's advantages take train.grpo.scale_rewards and std: GRPO's one rollout path (issue 58)",
+           "objectives/grpo.py", '"advantages": advantages(r, g, self.cfg.scale_rewards, self.cfg.std == "sample", r)', '"advantages": advantages(r, g)',
+           ("tests/test_objectives.py::test_the_agents_scale_rewards_std_and_mask_truncated_train_and_halted_on_2_resumed_on_3_equal_the_1_process_run"
+            "[scale_rewards-none]",)),
 )
 
 

@@ -3,7 +3,9 @@ every dimension a user combines, generated from a seed, each case named by its v
 
     python tests/matrix.py [--seed N] [--list | --markdown]
 
-A dimension is a key of DIMENSIONS with its values; a value's overrides come from `overrides()`.
+A dimension is a key of DIMENSIONS with its values; a value's overrides come from `overrides()`. The
+objective dimension and its refusal cases are the objective registry's (objectives/spec.py: each
+objective's `matrix` values, and a refusal case per objective that does not support dist.strategy=fsdp).
 Every full combination is classified by `verdict()`: "run" (it must be exact: the halted and
 resumed run equals the uninterrupted one), a refusal (it must exit 2 naming the keys), or "n/a"
 (the combination names nothing a user could run, e.g. a PEFT adapter folder as the start of a
@@ -16,10 +18,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tests/matrix.py`: the repository's rooms
+
+from objectives import specs  # noqa: E402
+
+VALUES = {value.name: (spec, value) for spec in specs() for value in spec.matrix}
+"""The objective dimension's values: each objective's matrix values, with the objective."""
 
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "objective": ("pretrain", "mix", "sft", "lora", "dpo_live", "dpo_pre", "grpo", "cispo2", "dapo", "ppo", "agent", "distill"),
+    "objective": tuple(VALUES),
     "source": ("seeded", "run", "hf", "pth", "peft"),
     "model": ("minimind2", "minimind3", "moe"),
     "strategy": ("ddp", "fsdp"),
@@ -33,13 +44,13 @@ SEED = 0
 COST = {"eager": 0, "compiled": 1}
 """What the generator minimizes among equally covering cases: compiles (minutes each on two cores)."""
 
-# Refusal rules: (name, predicate, the keys the refusal must name).
-REFUSALS = (
-    ("grpo-under-fsdp", lambda c: c["objective"] in ("grpo", "cispo2", "dapo", "agent") and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
-     ("train.objective=grpo", "dist.strategy=fsdp")),
-    ("ppo-under-fsdp", lambda c: c["objective"] == "ppo" and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
-     ("train.objective=ppo", "dist.strategy=fsdp")),
-)
+# Refusal rules: (name, predicate, the keys the refusal must name): each objective without dist.strategy=fsdp
+# among its supported features, under fsdp (or switching to it).
+REFUSALS = tuple(
+    (f"{spec.name}-under-fsdp",
+     lambda c, spec=spec: VALUES[c["objective"]][0].objective == spec.objective and (c["strategy"] == "fsdp" or c["resume"] == "switch"),
+     (f"train.objective={spec.objective}", "dist.strategy=fsdp"))
+    for spec in specs() if spec.matrix and "fsdp" not in spec.supports and spec.name == spec.objective)
 
 
 def verdict(case: dict) -> tuple[str, tuple[str, ...]]:
@@ -117,18 +128,11 @@ def geometry(case: Case) -> list[tuple[int, str]]:
 def overrides(case: Case, data: dict[str, list[str]], sources: dict[str, str]) -> list[str]:
     """The case's config overrides, but the strategy (from `geometry`). `data`: the overrides of each
     objective's corpus; `sources`: "run", "hf", "pth", "peft" -> the path of that source for this model."""
-    obj = case["objective"]
-    out = [*COMMON, *MODELS[case["model"]], *data["dpo" if obj.startswith("dpo") else "grpo" if obj in ("grpo", "cispo2", "dapo") else obj]]
+    _, value = VALUES[case["objective"]]
+    out = [*COMMON, *MODELS[case["model"]], *data[value.data]]
     if case["resume"] != "same":
         out.append("dist.reduce=canonical")  # another world size or strategy: the bits of one process (docs/design.md)
-    if obj == "lora":
-        out += ["train.lora.rank=4", "train.lora.targets=q_proj,v_proj"]
-    if obj == "dpo_live":
-        out.append("train.dpo.precompute=false")
-    if obj == "cispo2":
-        out += ["train.grpo.loss=cispo", "train.grpo.updates_per_rollout=2"]
-    if obj == "dapo":  # TRL's default: token-level over the global batch, batch-scaled rewards, truncations masked
-        out += ["train.grpo.loss=dapo", "train.grpo.scale_rewards=batch", "train.grpo.mask_truncated=true", "train.grpo.updates_per_rollout=2"]
+    out += value.overrides
     src = case["source"]
     if src == "peft":
         out += [f"model.init_from={sources['run']}", f"train.lora.init_from={sources['peft']}"]

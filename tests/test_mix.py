@@ -90,7 +90,7 @@ def test_a_mix_beside_data_path_or_under_another_objective_is_refused_naming_bot
 
     with pytest.raises(ConfigError, match=r"data.path=y.jsonl with data.mix: give the corpus as one of data.mix's sources"):
         load_config(None, ["data.mix=[{path: x.jsonl}]", "data.path=y.jsonl"])
-    with pytest.raises(ConfigError, match=r"data.mix with train.objective=distill"):
+    with pytest.raises(ConfigError, match=r"train.objective=distill with data.mix: not supported"):
         load_config(None, ["data.mix=[{path: x.jsonl}]", "train.objective=distill", "train.distill.teacher=t"])
 
 
