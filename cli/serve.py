@@ -23,6 +23,7 @@ import collections
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -43,6 +44,9 @@ MAX_N = 8
 MAX_TOP_LOGPROBS = 20
 """`top_logprobs` (chat) and `logprobs` (completions): at most this many likeliest ids per position, as OpenAI."""
 MAX_PROMPTS = 64
+"""A completions request's prompts, at most this many (each `n` jobs)."""
+MAX_TOOLS = 128
+"""A request's `tools`, at most this many."""
 """A completions request's prompts, at most this many (each `n` jobs)."""
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0}
 """OpenAI's fields this server does not implement, accepted at the value that asks for nothing."""
@@ -79,6 +83,9 @@ class ChatRequest:
     logprobs: int | None = None  # None: none; k: each id's log-probability and the k likeliest at its position
     echo: bool = False
     prompts: list[list[int]] = field(default_factory=list)
+    tools: list[dict] | None = None  # rendered by the chat template as training renders them
+    tool_choice: str = "auto"  # "none": the reply is not read for tool calls
+    template_kwargs: dict = field(default_factory=dict)  # more variables for the template (open_thinking)
 
 
 def _number(body: dict, key: str, default, low: float, high: float = math.inf, low_open: bool = False, integer: bool = False):
@@ -240,6 +247,42 @@ def _top(body: dict, key: str, vocab: int) -> int:
     return _number(body, key, 0, 0, min(MAX_TOP_LOGPROBS, vocab), integer=True)
 
 
+def _tools(tools) -> list[dict] | None:
+    """The request's `tools`, OpenAI's function tools, checked (ApiError 400 naming the field); None for none."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"tools must be a list of at most {MAX_TOOLS} {{type: \"function\", function: {{name, description, "
+                            f"parameters}}}}", "tools")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+            raise ApiError(400, f"{where} must be {{type: \"function\", function: {{name, description, parameters}}}}", where)
+        fn = tool["function"]
+        if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", fn["name"]):
+            raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, _ or -", f"{where}.function.name")
+        if not isinstance(fn.get("description", ""), str):
+            raise ApiError(400, f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict) or ("type" in params and params["type"] != "object") or \
+                not isinstance(params.get("properties", {}), dict) or not isinstance(params.get("required", []), list):
+            raise ApiError(400, f"{where}.function.parameters must be a JSON Schema object ({{type: \"object\", properties: "
+                                f"{{...}}, required: [...]}})", f"{where}.function.parameters")
+    return tools
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's `tool_calls` (as a reply gives them), checked: each {function: {name, arguments}}."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list of {{id, type, function: {{name, arguments}}}}", where)
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str | dict):
+            raise ApiError(400, f"{where}[{k}] must be {{id, type: \"function\", function: {{name, arguments}}}}", f"{where}[{k}]")
+    return calls
+
+
 def parse_request(raw: bytes, vocab: int = 1 << 30) -> ChatRequest:
     """A chat-completions body checked against what the server implements; ApiError (400) naming the field."""
     body = read_json(raw)
@@ -251,14 +294,38 @@ def parse_request(raw: bytes, vocab: int = 1 << 30) -> ChatRequest:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
-        turns.append({"role": role, "content": _content(m, i)})
+        turn = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            turn["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise ApiError(400, f"messages[{i}].reasoning_content must be a string", f"messages[{i}].reasoning_content")
+            turn["reasoning_content"] = m["reasoning_content"]
+        turns.append(turn)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ApiError(400, "logprobs must be true or false", "logprobs")
     top = _top(body, "top_logprobs", vocab)
     if top and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return ChatRequest(messages=turns, **_settings(body, None), logprobs=top if logprobs else None)
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise ApiError(400, f"tool_choice={json.dumps(tool_choice)[:60]} is not supported by this server (only \"auto\" or "
+                            f"\"none\": the model decides)", "tool_choice")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} (this server does not constrain its output)", "response_format")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or any(k in ("messages", "tools", "add_generation_prompt") for k in kwargs):
+        raise ApiError(400, "chat_template_kwargs must be an object of the template's own variables (not messages, tools or "
+                            "add_generation_prompt)", "chat_template_kwargs")
+    thinking = body.get("open_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ApiError(400, "open_thinking must be true or false", "open_thinking")
+    # MiniMind's server: open_thinking, or chat_template_kwargs' open_thinking or enable_thinking
+    thinking = bool(thinking or kwargs.get("open_thinking") or kwargs.get("enable_thinking"))
+    return ChatRequest(messages=turns, **_settings(body, None), logprobs=top if logprobs else None, tools=_tools(body.get("tools")),
+                       tool_choice=tool_choice or "auto", template_kwargs={**kwargs, "open_thinking": thinking})
 
 
 def parse_completion(raw: bytes, tok, vocab: int) -> ChatRequest:
@@ -309,11 +376,96 @@ def prompt_ids(tok, template, req: ChatRequest, seq_len: int) -> list[int]:
     from data.chat import TemplateError
 
     try:
-        ids = tok.encode_rendered(template.render(req.messages, add_generation_prompt=True))
+        ids = tok.encode_rendered(template.render(req.messages, req.tools, add_generation_prompt=True, **req.template_kwargs))
     except TemplateError as e:
         raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
     check_fits(ids, req.max_tokens, seq_len, "messages")
     return ids
+
+
+THINK_END, CALL_START = "</think>", "<tool_call>"
+
+
+def read_reply(text: str, parse_calls=None) -> tuple[str, str | None, list[dict] | None]:
+    """A reply's (content, reasoning_content, tool_calls) as MiniMind's server reads it
+    (scripts/serve_openai_api.py: parse_response): the part before `</think>` is the reasoning, each
+    call `parse_calls` (the run's tool-call parser, training's train.agent.parser; None: no calls read)
+    finds becomes an OpenAI tool call whose arguments are its JSON, and its `<tool_call>` text leaves
+    the content; the content is stripped when anything was taken out of it, else the text as it came."""
+    reasoning, taken = None, False
+    found = re.search(r"<think>(.*?)</think>", text, re.DOTALL)
+    if found:
+        reasoning, text, taken = found.group(1).strip(), re.sub(r"<think>.*?</think>\s*", "", text, flags=re.DOTALL), True
+    elif THINK_END in text:
+        head, _, text = text.partition(THINK_END)
+        reasoning, taken = head.strip(), True
+    calls = []
+    for i, call in enumerate(parse_calls(text) if parse_calls else []):
+        if isinstance(call, dict):  # MiniMind's: a call that is not an object is skipped
+            calls.append({"id": f"call_{uuid.uuid4().hex[:16]}_{i}", "type": "function",
+                          "function": {"name": call.get("name", ""), "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+    if calls:
+        text, taken = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL), True
+    return (text.strip() if taken else text), reasoning, calls or None
+
+
+def _held(text: str, start: int, tag: str) -> int:
+    """Where the sure part of text[start:] ends: before an end of it that `tag` starts with."""
+    for n in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if text.endswith(tag[:n]):
+            return len(text) - n
+    return len(text)
+
+
+class ReplyDeltas:
+    """A streamed reply's text as OpenAI's chat deltas, as MiniMind's server streams them: while the
+    template opened thinking (open_thinking), `reasoning_content` up to `</think>` (the newlines after it
+    dropped), then `content`; with a tool-call parser, the text from the first `<tool_call>` on is held
+    back and read at the end (read_reply) into one `tool_calls` delta."""
+
+    def __init__(self, thinking: bool, parse_calls) -> None:
+        self.text, self.sent, self.thinking, self.parse_calls = "", 0, thinking, parse_calls
+
+    def add(self, piece: str) -> list[dict]:
+        self.text += piece
+        out = []
+        if self.thinking:
+            pos = self.text.find(THINK_END, self.sent)
+            if pos < 0:
+                end = _held(self.text, self.sent, THINK_END)
+                if end > self.sent:
+                    out.append({"reasoning_content": self.text[self.sent:end]})
+                    self.sent = end
+                return out
+            if pos > self.sent:
+                out.append({"reasoning_content": self.text[self.sent:pos]})
+            self.thinking, self.sent = False, pos + len(THINK_END)
+            while self.sent < len(self.text) and self.text[self.sent] == "\n":
+                self.sent += 1
+        end = len(self.text)
+        if self.parse_calls:
+            cut = self.text.find(CALL_START, self.sent)  # `sent` never passes a call's start: from it on, all is held
+            end = cut if cut >= 0 else _held(self.text, self.sent, CALL_START)
+        if end > self.sent:
+            out.append({"content": self.text[self.sent:end]})
+            self.sent = end
+        return out
+
+    def finish(self) -> tuple[list[dict], list[dict] | None]:
+        """The deltas left at the end (the rest of the content, the tool calls) and the calls read."""
+        out = []
+        if self.thinking and len(self.text) > self.sent:
+            out.append({"reasoning_content": self.text[self.sent:]})
+            return out, None
+        rest = self.text[self.sent:]
+        calls = None
+        if self.parse_calls:
+            rest, _, calls = read_reply(rest, self.parse_calls)
+        if rest:
+            out.append({"content": rest})
+        if calls:
+            out.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+        return out, calls
 
 
 class TextStream:
@@ -508,8 +660,9 @@ class Engine:
 
 
 def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, queue: int = 16,
-             max_request_bytes: int = MAX_REQUEST_BYTES):
-    """The FastAPI application over a loaded model and its tokenizer (`name`: the model id it reports)."""
+             max_request_bytes: int = MAX_REQUEST_BYTES, parse_calls=None):
+    """The FastAPI application over a loaded model and its tokenizer (`name`: the model id it reports;
+    `parse_calls`: text -> the tool calls in it, the run's train.agent.parser; default MiniMind's)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -518,6 +671,9 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
     from data.chat import template_of
 
+    from objectives.tools import parse_tool_calls
+
+    parse_calls = parse_calls or parse_tool_calls
     template, seq_len, vocab = template_of(tok), model.cfg.seq_len, model.cfg.vocab_size
     engine = Engine(model, tok, slots, queue)
     created = int(time.time())
@@ -633,20 +789,39 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
         prompt = prompt_ids(tok, template, req, seq_len)
         jobs, events = start(req, [prompt])
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+        calls = parse_calls if req.tool_choice != "none" else None
         if req.stream:
-            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> dict:
-                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-                return {**head, "object": "chat.completion.chunk", "choices": [
-                    {"index": index, "delta": delta, "finish_reason": finish,
-                     "logprobs": None if entries is None else chat_logprobs(entries)}]}
+            splitters = [ReplyDeltas(req.template_kwargs.get("open_thinking", False), calls) for _ in jobs]
+
+            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> list[dict]:
+                def chunk(delta: dict, finish: str | None = None, entries: list | None = None) -> dict:
+                    return {**head, "object": "chat.completion.chunk", "choices": [
+                        {"index": index, "delta": delta, "finish_reason": finish,
+                         "logprobs": None if entries is None else chat_logprobs(entries)}]}
+                if first:
+                    return [chunk({"role": "assistant", "content": ""})]
+                if finish is None:
+                    deltas = splitters[index].add(text or "")
+                    if entries and not deltas:
+                        deltas = [{}]
+                    return [chunk(d, None, entries if k == 0 else None) for k, d in enumerate(deltas)]
+                deltas, found = splitters[index].finish()
+                return [*(chunk(d) for d in deltas), chunk({}, "tool_calls" if found else finish)]
             return streaming(stream(req, jobs, events, head, piece))
         ends = await results(request, jobs, events)
         if ends is None:
             return JSONResponse({}, status_code=499)
-        return {**head, "object": "chat.completion", "usage": usage(req, jobs, [e[2] for e in ends]), "choices": [
-            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-             "logprobs": None if req.logprobs is None else chat_logprobs(job.entries)}
-            for i, (job, (text, finish, _)) in enumerate(zip(jobs, ends))]}
+        choices = []
+        for i, (job, (text, finish, _)) in enumerate(zip(jobs, ends)):
+            content, reasoning, found = read_reply(text, calls)
+            message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if found:
+                message["tool_calls"], finish = found, "tool_calls"
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": None if req.logprobs is None else chat_logprobs(job.entries)})
+        return {**head, "object": "chat.completion", "usage": usage(req, jobs, [e[2] for e in ends]), "choices": choices}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -656,12 +831,12 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
         jobs, events = start(req, req.prompts)
         head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
         if req.stream:
-            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> dict | None:
+            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> list[dict]:
                 if first:
-                    return None
-                return {**head, "object": "text_completion", "choices": [
+                    return []
+                return [{**head, "object": "text_completion", "choices": [
                     {"index": index, "text": text or "", "finish_reason": finish,
-                     "logprobs": None if entries is None else legacy_logprobs(entries)}]}
+                     "logprobs": None if entries is None else legacy_logprobs(entries)}]}]
             return streaming(stream(req, jobs, events, head, piece))
         ends = await results(request, jobs, events)
         if ends is None:
@@ -681,9 +856,8 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
         try:
             for index in range(len(jobs)):
-                first = piece(index, None, None, None, first=True)
-                if first is not None:
-                    yield sse(first)
+                for body in piece(index, None, None, None, first=True):
+                    yield sse(body)
             sent, echoed, ends, pending = [0] * len(jobs), [not req.echo] * len(jobs), [None] * len(jobs), None
             while any(e is None for e in ends):
                 (index, event), pending = pending or await events.get(), None
@@ -704,9 +878,11 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
                     text = tok.decode(job.prompt) + (text or "")
                     entries = None if entries is None else (job.prompt_entries or []) + entries
                 if text is not None or entries:
-                    yield sse(piece(index, text, None, entries))
+                    for body in piece(index, text, None, entries):
+                        yield sse(body)
                 if event[0] == "end":
-                    yield sse(piece(index, None, event[1], None))
+                    for body in piece(index, None, event[1], None):
+                        yield sse(body)
                     ends[index] = event[2]
             else:
                 if req.include_usage:
@@ -778,6 +954,34 @@ def api_key_of(args) -> str | None:
     return key
 
 
+PARSER_TIMEOUT_S = 10.0
+"""A user's tool-call parser (run in a worker process, as training runs it) that takes longer: the reply has no calls."""
+
+
+def tool_parser(path):
+    """The run's tool-call parser: its train.agent.parser (objectives/agent.py), loaded as training loads it
+    (MiniMind's `<tool_call>{json}</tool_call>` for `minimind`, every run that is not an agent's included)."""
+    from checkpoint import storage
+    from objectives import rewards
+    from objectives.tools import parse_tool_calls
+    from objectives.worker import Remote
+
+    manifest = storage.find_checkpoint(path)[1]
+    spec = ((manifest.get("config") or {}).get("train") or {}).get("agent", {}).get("parser", "minimind")
+    fn, _ = rewards.load(spec, "train.agent.parser", {"minimind": parse_tool_calls})
+    if not isinstance(fn, Remote):
+        return fn
+
+    def remote(text: str) -> list:
+        try:
+            calls = fn.call((text,), {}, PARSER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a user's parser that fails reads no calls; the server goes on
+            log.warning("serve: train.agent.parser=%s failed on a reply (%s): no tool calls read", spec, e)
+            return []
+        return calls if isinstance(calls, list) else []
+    return remote
+
+
 def run(args) -> int:
     """`serve RUN [--host --port --api-key(-file) --slots --queue --max-request-bytes]`: load the run's model, then
     serve until SIGINT/SIGTERM."""
@@ -815,6 +1019,6 @@ def run(args) -> int:
     print(f"serve: {name} ({model.num_parameters():,} parameters, context {model.cfg.seq_len}) at http://{where}:{port}/v1 "
           f"({args.slots} slots, queue {args.queue}{', API key required' if api_key else ''}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes)
+    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes, tool_parser(args.path))
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0

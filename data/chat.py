@@ -91,12 +91,14 @@ class Template:
     def __post_init__(self) -> None:
         self.compiled = compile_template(self.source, self.where)
 
-    def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False, **extra) -> str:
+        """The template's text; `extra`: more variables for it (a server's `chat_template_kwargs`, e.g. MiniMind's
+        `open_thinking`), never in place of the ones above."""
         import jinja2
 
         try:
-            return self.compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        **self.specials)
+            return self.compiled.render(**{**extra, **self.specials}, messages=messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"the chat template of {self.where} raised: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:

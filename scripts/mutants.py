@@ -547,6 +547,12 @@ MUTANTS = (
            "cli/serve.py", "            entries = ((job.prompt_entries or []) if req.echo else []) + job.entries\n",
            "            entries = job.entries\n",
            ("tests/test_serve.py::test_completions_echo_gives_each_prompt_ids_log_softmax_and_a_string_prompt_is_generates_continuation",)),
+    Mutant("serve-parser-not-trainings", "the server reads tool calls with the run's train.agent.parser, training's code (MiniMind's)",
+           "cli/serve.py", '    fn, _ = rewards.load(spec, "train.agent.parser", {"minimind": parse_tool_calls})\n',
+           '    fn, _ = rewards.load(spec, "train.agent.parser", {"minimind": lambda text: [json.loads(m) for m in re.findall('
+           'r"<tool_call>(.*?)</tool_call>", text) if m.strip().startswith("{")]})\n',
+           ("tests/test_serve.py::test_a_reply_is_read_into_content_reasoning_and_tool_calls_as_minimind_s_server_reads_it_with_"
+            "trainings_parser",)),
     Mutant("mix-not-furthest-behind", "a mix's next sample comes from the source furthest behind its share (Megatron's rule)",
            "data/mix.py", "        return errors.index(max(errors))\n", "        return errors.index(min(errors))\n",
            ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),

@@ -592,3 +592,129 @@ def test_lm_evals_local_completions_through_the_server_scores_as_eval_does_item_
     mine = ours["perplexity"]["held_out.jsonl"]
     assert mine["byte_perplexity"] == pytest.approx(theirs["held_out"]["byte_perplexity,none"], rel=1e-5)
     assert mine["bits_per_byte"] == pytest.approx(theirs["held_out"]["bits_per_byte,none"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- tools and reasoning
+
+from conftest import MINIMIND_SHARED, needs_referee  # noqa: E402
+
+MINIMIND_TOKENIZER = MINIMIND_SHARED / "tokenizer.json"
+MINIMIND_SERVER = MINIMIND_SHARED / "upstream" / "scripts" / "serve_openai_api.py"
+TOOLS = [{"type": "function", "function": {"name": "calculate_math", "description": "Evaluate arithmetic",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+REPLIES = [  # replies as a model writes them: calls over lines, two calls, a broken one, reasoning, both, a call not an object
+    '<tool_call>\n{"name": "calculate_math", "arguments": {"expression": "27 + 82"}}\n</tool_call>',
+    'Let me compute.\n<tool_call>{"name": "get_weather", "arguments": {"city": "北京"}}</tool_call>\n'
+    '<tool_call>not json</tool_call>\n<tool_call>\n{"name": "calculate_math", "arguments": "{\\"expression\\": \\"1+1\\"}"}\n</tool_call>',
+    "I should add them.\n</think>\n\nThe answer is 109.",
+    '<think>\nhmm\n</think>\n\nanswer <tool_call>{"name": "a", "arguments": {"x": [1, 2]}}</tool_call> done',
+    "<tool_call>[1, 2]</tool_call> plain",
+    "nothing special",
+]
+
+
+def minimind_parse_response(scratch: Path):
+    """MiniMind's server's parse_response, its source taken from a scratch copy of scripts/serve_openai_api.py
+    (the module loads a model when imported as a script; the function is what is compared)."""
+    import ast
+    import shutil
+
+    copy = scratch / "serve_openai_api.py"
+    shutil.copy(MINIMIND_SERVER, copy)
+    tree = ast.parse(copy.read_text())
+    (fn,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "parse_response"]
+    space = {}
+    exec("import json, re, time\n" + ast.get_source_segment(copy.read_text(), fn), space)
+    return space["parse_response"]
+
+
+def calls_of(calls) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+
+
+@needs_referee(MINIMIND_SERVER, "MiniMind's scripts/serve_openai_api.py")
+@pytest.mark.unit
+def test_a_reply_is_read_into_content_reasoning_and_tool_calls_as_minimind_s_server_reads_it_with_trainings_parser(tmp_path, tiny):
+    """read_reply with the parser `serve` loads for a run (tool_parser: its train.agent.parser, training's code)
+    gives MiniMind's parse_response's content, reasoning_content and tool calls on each reply."""
+    from cli.serve import read_reply, tool_parser
+    from objectives.tools import parse_tool_calls
+
+    code, err = launch.in_process(*tiny, "train.steps=1", f"out_dir={tmp_path / 'run'}")
+    assert code == 0, err
+    parse = tool_parser(tmp_path / "run")
+    theirs = minimind_parse_response(tmp_path)
+    for text in REPLIES:
+        content, reasoning, calls = read_reply(text, parse)
+        m_content, m_reasoning, m_calls = theirs(text)
+        assert (content, reasoning, calls_of(calls)) == (m_content, m_reasoning, calls_of(m_calls)), text
+        assert calls_of(calls) == [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in parse_tool_calls(text)
+                                   if isinstance(c, dict)]
+    assert read_reply(" as it came ", parse) == (" as it came ", None, None)  # nothing taken out: chat's text as it is
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("thinking", [False, True])
+def test_streamed_deltas_hold_back_a_calls_text_and_add_up_to_the_reply_read_whole(thinking):
+    from cli.serve import ReplyDeltas, read_reply
+    from objectives.tools import parse_tool_calls
+
+    for text in REPLIES:  # thinking: the template opened it, the reply closes it (as MiniMind's server, one way or the other)
+        if thinking != ("</think>" in text and "<think>" not in text) or (not thinking and "</think>" in text):
+            continue
+        for size in (1, 2, 5):
+            split = ReplyDeltas(thinking, parse_tool_calls)
+            deltas = [d for k in range(0, len(text), size) for d in split.add(text[k:k + size])]
+            rest, found = split.finish()
+            deltas += rest
+            content, reasoning, calls = read_reply(text, parse_tool_calls)
+            streamed = "".join(d.get("content", "") for d in deltas)
+            assert ("<tool_call>" not in streamed or not calls) and streamed.strip() == content.strip(), (text, size)
+            if thinking:
+                assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == reasoning
+            assert calls_of(found) == calls_of(calls) and [d for d in deltas if "tool_calls" in d] == (
+                [{"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]}] if found else [])
+
+
+@needs_referee(MINIMIND_TOKENIZER, "MiniMind's tokenizer")
+@pytest.mark.unit
+def test_tools_a_tool_turn_and_open_thinking_render_as_transformers_apply_chat_template_renders_them():
+    from transformers import PreTrainedTokenizerFast
+
+    from cli.serve import parse_request, prompt_ids
+    from data import tokenizer
+    from data.chat import template_of
+
+    tok = tokenizer.load(str(MINIMIND_TOKENIZER))
+    hf = PreTrainedTokenizerFast.from_pretrained(str(MINIMIND_TOKENIZER.parent))
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "What is 27 + 82?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "calculate_math", "arguments": "{\"expression\": \"27 + 82\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "109"}]
+    for extra, kwargs in (({}, {}), ({"open_thinking": True}, {"open_thinking": True}),
+                          ({"chat_template_kwargs": {"enable_thinking": True}}, {"open_thinking": True})):
+        req = parse_request(json.dumps({"messages": messages, "tools": TOOLS, **extra}).encode())
+        want = hf.apply_chat_template([{k: v for k, v in m.items() if k != "tool_call_id"} for m in messages], tools=TOOLS,
+                                      tokenize=False, add_generation_prompt=True, **kwargs)
+        assert "<tools>" in want and "<tool_response>\n109" in want and want.endswith("<think>\n" if kwargs else "</think>\n\n")
+        assert prompt_ids(tok, template_of(tok), req, 4096) == hf(want, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"open_thinking": "yes"}, "open_thinking"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0]"),
+])
+def test_a_malformed_tool_schema_or_tool_field_is_400_naming_it(client, extra, param):
+    r = client.post("/v1/chat/completions", json={"messages": ASK, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
