@@ -311,6 +311,11 @@ MUTANTS = (
     Mutant("reward-timeout-ignored", "a reward call is bounded by train.grpo.reward_timeout_s: a hanging one fails every rank, named (I24)",
            "objectives/rewards.py", "value = fn.call((prompt, completion), kwargs, timeout_s)", "value = fn.call((prompt, completion), kwargs, None)",
            ("tests/test_grpo.py::test_a_reward_call_is_killed_at_its_timeout_even_inside_c_or_catching_every_exception_and_the_next_call_answers",)),
+    Mutant("user-code-in-process", "a user's tools run in the worker process, not in the trainer's where a hang inside C cannot be bounded",
+           "objectives/rewards.py", "    return WORKER.load(spec, key)  # the user's code runs in this rank's worker process, every call bounded\n",
+           "    import importlib.util as u\n    s = u.spec_from_file_location('m', spec.rpartition(':')[0])\n    m = u.module_from_spec(s)\n"
+           "    s.loader.exec_module(m)\n    return getattr(m, spec.rpartition(':')[2]), {'spec': spec}\n",
+           ("tests/test_agent.py::test_a_tool_that_hangs_inside_c_is_killed_at_its_timeout_and_the_run_exits_1_naming_it",)),
     Mutant("user-code-not-killed-at-timeout", "user code past its timeout is killed in its worker process, a hang inside C too",
            "objectives/worker.py", "                self.kill()\n                raise Late\n", "                raise Late\n",
            ("tests/test_grpo.py::test_a_reward_call_is_killed_at_its_timeout_even_inside_c_or_catching_every_exception_and_the_next_call_answers",)),
