@@ -20,6 +20,7 @@ import base64
 import datetime
 import email.utils
 import hashlib
+import io
 import json
 import logging
 import os
@@ -159,6 +160,9 @@ class Store:
         self.bucket = bucket
         self._client = None
         self._lock = threading.Lock()
+        self.bytes_read: dict[str, int] = {}
+        """Bytes of each object's body this process has read (GET, ranged GET, streamed): the client's
+        own count, what a test and a relaunch's log say was fetched."""
         self.lease: Lease | None = None
         """The lease this process holds on a run folder in this bucket (run/folder.py), checked before a publish."""
 
@@ -257,17 +261,25 @@ class Store:
             kwargs["ChecksumSHA256"] = _b64(sha256)
         return self.call("PUT", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=bytes(data), **kwargs)["ETag"]
 
+    def count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.bytes_read[key] = self.bytes_read.get(key, 0) + n
+
     def get(self, key: str) -> tuple[bytes, str] | None:
         """(bytes, etag) of `key`, or None when there is none."""
         def read():
             r = self.client.get_object(Bucket=self.bucket, Key=key)
             return r["Body"].read(), r["ETag"]
-        return self.call("GET", key, read, missing_ok=True)
+        got = self.call("GET", key, read, missing_ok=True)
+        if got is not None:
+            self.count(key, len(got[0]))
+        return got
 
     def get_range(self, key: str, start: int, n: int) -> bytes:
         def read():
             return self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + n - 1}")["Body"].read()
         data = self.call("GET", key, read)
+        self.count(key, len(data))
         if len(data) != n:
             raise StoreError(f"{self.endpoint}: GET {self.url(key)} bytes {start}-{start + n - 1}: {len(data)} bytes came back")
         return data
@@ -294,6 +306,63 @@ class Store:
             if not r.get("IsTruncated"):
                 return out
             token = r["NextContinuationToken"]
+
+    def objects(self, prefix: str) -> dict[str, tuple[int, str]]:
+        """Every object under `prefix` (a folder: ends with '/'; or a start of keys), key -> (size, etag)."""
+        out, token = {}, None
+        while True:
+            kwargs = {"ContinuationToken": token} if token else {}
+            r = self.call("LIST", prefix, self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, **kwargs)
+            out.update({o["Key"]: (o["Size"], o["ETag"]) for o in r.get("Contents", [])})
+            if not r.get("IsTruncated"):
+                return out
+            token = r["NextContinuationToken"]
+
+    def open(self, key: str) -> tuple[io.RawIOBase, int, str]:
+        """A streamed read of `key` (one GET, retried until its answer starts): (a raw file of its
+        bytes, its size, its etag). A failure while the body streams is a StoreError naming the object."""
+        r = self.call("GET", key, self.client.get_object, Bucket=self.bucket, Key=key)
+        return _Body(self, key, r["Body"]), r["ContentLength"], r["ETag"]
+
+    def upload(self, key: str, path, sha256: str) -> None:
+        """The local file `path` as the object `key`: one PUT under a part's size, else a multipart
+        upload of PART-sized parts; the store checks each part's (or the whole's) SHA-256."""
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size <= PART:
+                self.put(key, f.read(), sha256=sha256)
+                return
+            upload_id = self.begin(key)
+            try:
+                parts, number = [], 1
+                while block := f.read(PART):
+                    parts.append(self.part(key, upload_id, number, memoryview(block)))
+                    number += 1
+                self.complete(key, upload_id, parts)
+            except BaseException:
+                self.abort(key, upload_id)
+                raise
+
+    def download(self, key: str, dest, sha256: str) -> str | None:
+        """The object `key` into the local file `dest` (atomically), hashed as it comes down: kept only
+        when its sha256 is `sha256` (None), else nothing is kept and the mismatch is said (a string)."""
+        from common.files import atomic_file
+
+        raw, _, _ = self.open(key)
+        h = hashlib.sha256()
+        try:
+            with atomic_file(dest, "wb") as out:
+                try:
+                    while block := raw.read(PART):
+                        h.update(block)
+                        out.write(block)
+                finally:
+                    raw.close()
+                if h.hexdigest() != sha256:
+                    raise _Mismatch
+        except _Mismatch:
+            return f"{self.url(key)}: its bytes hash to {h.hexdigest()[:16]}..., not the {sha256[:16]}... its record names"
+        return None
 
     def delete(self, key: str, if_match: str | None = None) -> None:
         self.call("DELETE", key, self.client.delete_object, Bucket=self.bucket, Key=key, **({"IfMatch": if_match} if if_match else {}),
@@ -323,6 +392,41 @@ class Store:
         """(key, upload id) of every multipart upload under `prefix` not completed nor aborted."""
         r = self.call("LIST-MULTIPART", prefix, self.client.list_multipart_uploads, Bucket=self.bucket, Prefix=prefix)
         return [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
+
+
+class _Mismatch(Exception):
+    """A download whose bytes are not the ones named (nothing kept)."""
+
+
+class _Body(io.RawIOBase):
+    """A GET's streamed body as a raw file, counted in the store's bytes_read; its errors named."""
+
+    def __init__(self, store: Store, key: str, body) -> None:
+        self.store, self.key, self.body = store, key, body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        try:
+            data = self.body.read(len(b))
+        except Exception as e:  # noqa: BLE001 - a connection cut while the body streams
+            raise StoreError(f"{self.store.endpoint}: GET {self.store.url(self.key)} failed while reading: {type(e).__name__}: {e}") from None
+        b[:len(data)] = data
+        self.store.count(self.key, len(data))
+        return len(data)
+
+    def close(self) -> None:
+        self.body.close()
+        super().close()
+
+
+def staging_root():
+    """The local staging folder (MINIMIND_STAGING_DIR, default ~/.cache/minimind/staging): the bounded
+    cache of what lives in the store (run folders, the packed corpora), which a fresh node does not need."""
+    from pathlib import Path
+
+    return Path(os.environ.get("MINIMIND_STAGING_DIR") or Path.home() / ".cache" / "minimind" / "staging")
 
 
 _stores: dict[str, Store] = {}

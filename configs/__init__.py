@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from common.outcome import BadInput
-from common.store import is_url, parse
+from common.store import StoreRefused, is_url, parse
 
 from checkpoint.config import CheckpointConfig
 from data import tokenizer as tokenizers
@@ -109,12 +109,14 @@ TrainConfig.__module__ = __name__
 class DataConfig:
     path: str = "stdlib"
     """A MiniMind pretrain JSONL file ({"text": ...} per line, .gz or not), a directory or a glob of .jsonl /
-    .jsonl.gz files (their documents in name order), or 'stdlib' for the built-in corpus."""
+    .jsonl.gz files (their documents in name order), the same in an object store (s3://BUCKET/KEY, a prefix or
+    a glob of keys), or 'stdlib' for the built-in corpus."""
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes + BOS/EOS/PAD: 259 ids) or the path of a Hugging Face tokenizer.json (e.g. MiniMind's),
     with its tokenizer_config.json beside it naming bos/eos/pad; model.vocab_size follows it."""
     cache_dir: str = "data/cache"
-    """Where packed token files (and the built-in corpus) are kept."""
+    """Where packed token files (and the built-in corpus) are kept: a folder, or s3://BUCKET/PREFIX (fetched
+    into the staging folder and verified by hash; a fresh node neither reads the corpus nor packs it again)."""
     num_samples: int = 0
     """Use only the first N packed samples (0: all)."""
     num_workers: int = 0
@@ -167,7 +169,16 @@ class DataConfig:
             raise ConfigError(f"data.system_prompt_ratio: expected a fraction between 0 and 1, got {self.system_prompt_ratio}")
         choice("data.verify_source", self.verify_source, VERIFY)
         choice("data.resume_seq_len", self.resume_seq_len, ("refuse", "repack"))
-        for parent in (Path(self.cache_dir), *Path(self.cache_dir).parents):
+        for what, value in (("data.path", self.path), ("data.val_path", self.val_path), ("data.cache_dir", self.cache_dir)):
+            if is_url(value):  # in an object store (data/remote.py): the URL's form, here
+                try:
+                    parse(value, what)
+                except StoreRefused as e:
+                    raise ConfigError(str(e)) from None
+        if is_url(self.cache_dir) and self.shared_cache:
+            raise ConfigError(f"data.shared_cache=true with data.cache_dir={self.cache_dir}: a cache in a store is shared already; "
+                              f"each node fetches it into its own staging folder (leave data.shared_cache out)")
+        for parent in () if is_url(self.cache_dir) else (Path(self.cache_dir), *Path(self.cache_dir).parents):
             if parent.exists() or parent.is_symlink():
                 if not parent.is_dir():
                     raise ConfigError(f"data.cache_dir: {self.cache_dir} cannot be a folder: {parent} is a file "

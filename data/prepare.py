@@ -24,8 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from common.files import atomic_file, atomic_write, tmp_prefix
+from common.store import is_url, parse, store_of
 
 from . import sources, tokenizer
+from .remote import local_cache
 from .dataset import counts_path, lengths_path, pairs_path, taught_path
 from .sources import Corpus, DataError, batches, read_ahead, sha256_file, stat_identity
 
@@ -146,7 +148,9 @@ def build_stdlib_corpus(dest: Path) -> Path:
 
 def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus:
     """The corpus behind `data.path` (or the `key` given, e.g. data.val_path): a file, a directory
-    or a glob (data/sources.py), or a built-in corpus, built when asked for."""
+    or a glob (data/sources.py) on a disk or in a store, or a built-in corpus, built when asked for (in
+    the staging copy of a cache_dir in a store)."""
+    cache_dir = local_cache(cache_dir)
     if path == BUILTIN:
         return Corpus.of_file(build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl"))
     if path == BUILTIN_CHAT:
@@ -222,7 +226,8 @@ def side_path(bin_path: Path, chat) -> Path:
 
 
 def _trusted(record: dict, identity: dict) -> bool:
-    return record.get("identity") == identity and identity["mtime_ns"] < record.get("checked_ns", 0) - RACY_NS
+    # an object in a store: its ETag changes with its bytes (no clock tick to race)
+    return record.get("identity") == identity and ("etag" in identity or identity["mtime_ns"] < record.get("checked_ns", 0) - RACY_NS)
 
 
 def _reuse(corpus: Corpus, meta: dict, verify: str) -> dict | None:
@@ -265,8 +270,80 @@ def chat_options(tok, chat) -> tuple[dict, object]:
     return {**chat.key(), "template_sha256": hashlib.sha256(template.source.encode()).hexdigest()}, template
 
 
-def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int = 4 << 20,
+def pack(source: Corpus | Path, seq_len: int, cache_dir, tok=None, batch_bytes: int = 4 << 20,
          verify: str = "stat", watch=None, chat=None) -> tuple[Path, dict]:
+    """The packed file of `source` in `cache_dir` (a folder, or s3://BUCKET/PREFIX: the cache in a store,
+    fetched into the staging folder and verified, a repack put back: `_pack_in_store`); see `_pack`."""
+    tok = tok or tokenizer.ByteTokenizer()
+    if is_url(cache_dir):
+        return _pack_in_store(source if isinstance(source, Corpus) else Corpus.of_file(source), seq_len, str(cache_dir), tok,
+                              batch_bytes=batch_bytes, verify=verify, watch=watch, chat=chat)
+    return _pack(source, seq_len, Path(cache_dir), tok, batch_bytes=batch_bytes, verify=verify, watch=watch, chat=chat)
+
+
+def _verified_copy(path: Path, entry: dict) -> bool:
+    """Is the local `path` the bytes `entry` records (sha256, bytes)? Hashed once after it came down; a
+    later launch trusts the stat identity recorded then (a note beside it), as `_reuse` trusts a corpus
+    file's, and hashes it again only when that changed."""
+    note = path.with_name(f".{path.name}.verified")
+    if not path.is_file() or path.stat().st_size != entry["bytes"]:
+        return False
+    try:
+        if json.loads(note.read_text()) == {"sha256": entry["sha256"], **stat_identity(path)}:
+            return True
+    except (OSError, ValueError):
+        pass
+    if sha256_file(path) != entry["sha256"]:
+        return False
+    atomic_write(note, json.dumps({"sha256": entry["sha256"], **stat_identity(path)}))
+    return True
+
+
+def _pack_in_store(corpus: Corpus, seq_len: int, cache_dir: str, tok, **kwargs) -> tuple[Path, dict]:
+    """`_pack` over the staging copy of the cache in the store at `cache_dir` (docs/object_storage.md,
+    "Corpora and the packed cache"): its files fetched and verified first, a repack put back, the fingerprint last."""
+    bucket, prefix = parse(str(cache_dir), "data.cache_dir")
+    store = store_of(bucket)
+    store.check()
+    local = local_cache(cache_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    stem = cache_stem(corpus, seq_len, tok, chat_options(tok, kwargs.get("chat"))[0])
+    key = lambda name: f"{prefix}/{name}".lstrip("/")  # noqa: E731
+    got = store.get(key(f"{stem}.json"))
+    record = json.loads(got[0]) if got is not None else None
+    fetched = 0
+    if record is not None:
+        for name, entry in (record.get("cache_files") or {}).items():
+            path = local / name
+            if _verified_copy(path, entry):
+                continue  # this node's copy is the record's bytes
+            if (bad := store.download(key(name), path, entry["sha256"])) is not None:
+                log.warning("data.cache_dir=%s: %s: not used; the corpus is packed again and the cache put back", cache_dir, bad)
+                record = None
+                (local / f"{stem}.json").unlink(missing_ok=True)  # this node's copy is not trusted either: packed again
+                break
+            _verified_copy(path, entry)  # its note: the next launch on this node reads nothing of it from the store
+            fetched += entry["bytes"]
+    if record is not None:
+        atomic_write(local / f"{stem}.json", json.dumps({k: v for k, v in record.items() if k != "cache_files"}, indent=1))
+    before = {p.name: p.stat().st_mtime_ns for p in local.glob(f"{stem}.*") if p.is_file()}
+    bin_path, meta = _pack(corpus, seq_len, local, tok, **kwargs)
+    after = {p.name: p.stat().st_mtime_ns for p in local.glob(f"{stem}.*") if p.is_file() and not p.name.endswith(".json")}
+    if record is not None and all(before.get(n) == t for n, t in after.items()):
+        log.info("data.cache_dir=%s: %s fetched from the store (%d bytes) and verified; not packed again", cache_dir, stem, fetched)
+        return bin_path, meta
+    files = {n: {"sha256": sha256_file(local / n), "bytes": (local / n).stat().st_size} for n in sorted(after)}
+    for n, entry in files.items():
+        store.upload(key(n), local / n, entry["sha256"])
+    store.put(key(f"{stem}.json"), json.dumps({**json.loads((local / f"{stem}.json").read_text()), "cache_files": files},
+                                              indent=1).encode())  # last: the cache counts from now on
+    log.info("data.cache_dir=%s: %s put in the store (%d files, %d bytes)", cache_dir, stem, len(files),
+             sum(e["bytes"] for e in files.values()))
+    return bin_path, meta
+
+
+def _pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_bytes: int = 4 << 20,
+          verify: str = "stat", watch=None, chat=None) -> tuple[Path, dict]:
     """Return the packed file for the corpus `source` (a Corpus, or one file) under tokenizer `tok`
     (default: bytes) and its fingerprint, building it when stale or missing. `chat` (data/chat.py
     ChatOptions) packs conversations instead of pretraining text.
@@ -317,7 +394,7 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
 
     for p in clear_stale_temporaries(bin_path) + clear_stale_temporaries(meta_path) + clear_stale_temporaries(side):
         log.info("removed %s, left by an interrupted preparation", p)
-    progress = _Progress(corpus.label, sum(p.stat().st_size for p in corpus.files), watch=watch)
+    progress = _Progress(corpus.label, sum(stat_identity(p)["size"] for p in corpus.files), watch=watch)
     try:
         with atomic_file(bin_path, "wb") as out:  # an error or a stop leaves no half-written cache
             if chat is None:
@@ -351,7 +428,8 @@ def pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_b
 
         write_fields(fields_path(bin_path), fields)
     records = [{"name": r["name"], "path": r["path"], "sha256": r["sha256"],
-                "identity": {k: r[k] for k in ("size", "mtime_ns", "inode")}, "checked_ns": checked_ns} for r in reader.records]
+                "identity": {k: r[k] for k in ("size", "mtime_ns", "inode", "etag") if k in r}, "checked_ns": checked_ns}
+               for r in reader.records]
     meta = {
         "format": FORMAT,
         "source": corpus.label,
@@ -438,7 +516,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("corpora", nargs="+", help=f"each a JSONL file (.gz or not), a directory, a quoted glob, or '{BUILTIN}'")
     parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
     parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
-    parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="data.cache_dir of the run (default %(default)s)")
+    parser.add_argument("--cache-dir", default="data/cache", help="data.cache_dir of the run: a folder or s3://BUCKET/PREFIX (default %(default)s)")
     parser.add_argument("--format", choices=("text", "chat", "preference", "prompts", "agent"), default="text", help="as data.format (default %(default)s)")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="chat: as data.loss_on")
     parser.add_argument("--no-pack", action="store_true", help="chat: one padded conversation per row (data.pack=false)")
@@ -461,11 +539,12 @@ def _main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         corpus = resolve_source(spec, args.cache_dir)
         stem = cache_stem(corpus, args.seq_len, tok, chat_options(tok, chat)[0])
-        before = [p.stat().st_mtime_ns for p in args.cache_dir.glob(f"{stem}.json")]
+        local = local_cache(args.cache_dir)
+        before = [p.stat().st_mtime_ns for p in local.glob(f"{stem}.bin")]
         bin_path, meta = pack(corpus, args.seq_len, args.cache_dir, tok, verify=args.verify_source, chat=chat)
         seconds = time.monotonic() - t0
         mb = sum(r["identity"]["size"] for r in meta["sources"]) / 1e6
-        done = "already packed" if before == [(args.cache_dir / f"{stem}.json").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
+        done = "already packed" if before == [(local / f"{stem}.bin").stat().st_mtime_ns] else f"{mb / seconds:.1f} MB/s"
         counts = describe({k: meta[k] for k in meta if k in ("documents", "num_tokens", "num_samples", "conversations", "pairs", "prompts", "rows",
                                                              "tokens", "taught", "truncated", "dropped_long", "untaught")})
         rows = f"rows of {args.seq_len} positions" if chat else f"samples of {args.seq_len + 1} tokens"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from common.outcome import RankFailed
+from common.outcome import BadInput, Failed, RankFailed
 from runtime.board import hand_off
 
 from .chat import ChatOptions
@@ -22,7 +22,7 @@ def _pack(cfg, seq_len: int, tok, chat, watch) -> dict:
     """The packer's work: the corpus (and the validation file) packed, as an outcome every rank can
     read: {"bin", "meta", ...}, or {"error", "outcome"} whatever went wrong (bad data: bad_input; an
     I/O error, a tokenizer's own exception, a bug: failed)."""
-    cache = Path(cfg.cache_dir)
+    cache = cfg.cache_dir  # a folder, or s3://BUCKET/PREFIX (data/remote.py)
     try:
         if cfg.mix:  # each source packed once, as a corpus of its own (data/mix.py)
             outcome = {"mix": {}}
@@ -38,8 +38,10 @@ def _pack(cfg, seq_len: int, tok, chat, watch) -> dict:
                                      verify=cfg.verify_source, watch=watch, chat=chat)
             outcome.update(val_bin=str(val_bin), val_meta=val_meta)
         return outcome
-    except DataError as e:
+    except (DataError, BadInput) as e:  # a corpus line; a store that refuses the credentials or lacks the bucket
         return {"error": str(e), "outcome": "bad_input"}
+    except Failed as e:  # the store did not answer (after its retries): named endpoint and object
+        return {"error": str(e), "outcome": "failed"}
     except OSError as e:  # a full disk, a folder that cannot be written: an I/O failure, not bad input
         return {"error": f"{e.filename or cfg.cache_dir}: {e.strerror or e}", "outcome": "failed"}
     except Exception as e:  # noqa: BLE001 - a tokenizer's own exception, a bug: every rank fails with it, named

@@ -8,7 +8,8 @@ a run on a directory packs the same tokens as a run on its files concatenated in
 Reading a file also hashes its bytes (the compressed ones for `.gz`), so packing reads the corpus
 once, and checks that the file did not change while it was read. A file's identity for the cache is
 its size, mtime and inode (`stat_identity`): a later launch compares those instead of rereading the
-bytes (docs/data.md, "What a launch reads").
+bytes (docs/data.md, "What a launch reads"). A corpus in an object store (`s3://...`) is files of the
+store read the same way (data/remote.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.outcome import BadInput
+from common.store import is_url
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
 """What a directory or a glob may hold: JSONL, plain or gzip-compressed."""
@@ -39,8 +41,8 @@ class Corpus:
     """The files of one corpus, in the order their documents are read, and what named them."""
 
     label: str
-    """The absolute file, directory or pattern: the cache's key."""
-    files: tuple[Path, ...]
+    """The absolute file, directory or pattern (or its s3:// URL): the cache's key."""
+    files: tuple  # of Path, or of data.remote.RemoteFile for a corpus in the store
 
     @classmethod
     def of_file(cls, path: Path) -> "Corpus":
@@ -57,6 +59,10 @@ class Corpus:
 
     def names(self) -> dict[Path, str]:
         """Each file's name relative to the folder the files share (its identity in the fingerprint)."""
+        if self.files and not isinstance(self.files[0], Path):  # objects in a store: relative to their common prefix
+            from .remote import names
+
+            return names(self.files)
         if len(self.files) == 1:
             return {self.files[0]: self.files[0].name}
         root = os.path.commonpath([str(p.parent) for p in self.files])
@@ -70,6 +76,10 @@ def _is_pattern(spec: str) -> bool:
 def resolve(spec: str, key: str = "data.path") -> Corpus:
     """The corpus a file, a directory or a glob names; DataError (naming `key` or the file) when it
     names nothing, or a file the loader does not know."""
+    if is_url(spec):  # s3://...: objects in a store (data/remote.py)
+        from .remote import resolve as resolve_remote
+
+        return Corpus(*resolve_remote(spec, key, DataError))
     if _is_pattern(spec):
         pattern = os.path.abspath(os.path.expanduser(spec))
         matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
@@ -97,14 +107,17 @@ def resolve(spec: str, key: str = "data.path") -> Corpus:
 
 
 def stat_identity(path: Path) -> dict:
-    """What a launch compares instead of the bytes: size, modification time (ns) and inode."""
+    """What a launch compares instead of the bytes: size, modification time (ns) and inode (an object
+    in a store: its size and ETag, from the listing)."""
+    if not isinstance(path, Path):
+        return path.identity()
     st = os.stat(path)
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (open(path, "rb") if isinstance(path, Path) else path.open()[0]) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -149,8 +162,10 @@ class Reader:
     def __iter__(self):
         names = self.corpus.names()
         for path in self.corpus.files:
-            with open(path, "rb", buffering=0) as raw:
-                before = os.fstat(raw.fileno())
+            local = isinstance(path, Path)
+            raw, got = (open(path, "rb", buffering=0), None) if local else path.open()
+            with raw:
+                before = os.fstat(raw.fileno()) if local else None
                 hashing = _Hashing(raw)
                 buffered = io.BufferedReader(hashing, 1 << 20)
                 stream = gzip.GzipFile(fileobj=buffered, mode="rb") if path.name.endswith(".gz") else buffered
@@ -166,7 +181,13 @@ class Reader:
                 except (EOFError, gzip.BadGzipFile, zlib.error) as e:
                     raise DataError(f"{path}: a truncated or damaged gzip file ({e})") from None
                 sha = hashing.finish()
-                after = os.fstat(raw.fileno())
+                after = os.fstat(raw.fileno()) if local else None
+            if not local:  # one GET is one version of the object: it must be the one the listing named
+                if got != path.identity() or hashing.bytes != path.size:
+                    raise DataError(f"{path}: the object changed since it was listed (size {path.size} -> {got['size']} bytes, "
+                                    f"ETag {path.etag} -> {got['etag']}); nothing was cached: pack again once it is complete")
+                self.records.append({"name": names[path], "path": str(path), **path.identity(), "sha256": sha})
+                continue
             now = stat_identity(path)
             then = {"size": before.st_size, "mtime_ns": before.st_mtime_ns, "inode": before.st_ino}
             changed = now != then or (after.st_size, after.st_mtime_ns, hashing.bytes) != (then["size"], then["mtime_ns"], then["size"])

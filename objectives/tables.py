@@ -53,10 +53,13 @@ def table_files(dataset, fingerprint: dict, sha: str, shape: str, autocast: tupl
     fingerprint (the corpus's bytes, the tokenizer, the packing), the frozen model's identity, the
     autocast it ran under and the table's `shape` (DPO's sides, distillation's top-k); `kind`: whose
     table ("ref": DPO's reference, "teacher": distillation's)."""
+    from data.remote import remote_of
+
     rows = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
     stem = Path(dataset.bin_path).stem
-    return TableFiles(Path(dataset.bin_path).with_name(
-        f"{stem}.{kind}-{rows}-{sha[:16]}-{'-'.join(autocast)}-{shape}-N{dataset.start + len(dataset)}"))
+    folder = Path(dataset.bin_path).with_name(f"{stem}.{kind}-{rows}-{sha[:16]}-{'-'.join(autocast)}-{shape}-N{dataset.start + len(dataset)}")
+    url = remote_of(folder)  # rows packed into a cache in a store (data.cache_dir=s3://...): the table lives there too
+    return StoreTableFiles(url) if url else TableFiles(folder)
 
 
 def rows_read(num_samples: int, global_batch: int, seed: int, order: str, steps: int) -> np.ndarray:
@@ -119,6 +122,39 @@ class TableFiles:
         """Delete a stale table (a file or a folder) beside this one."""
         path = self.folder.parent / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+class StoreTableFiles(TableFiles):
+    """A table in an object store, beside the packed rows of a cache there (data.cache_dir=s3://...):
+    the same files as objects under the table's prefix, each PUT whole (a reader sees the old object or
+    the new one) with its SHA-256 checked by the store, the manifest put last as on a disk."""
+
+    def __init__(self, url: str) -> None:
+        from common.store import RemotePath
+
+        self.folder = RemotePath(url)
+
+    def read(self, name: str) -> bytes | None:
+        got = self.folder.store.get((self.folder / name).key)
+        return None if got is None else got[0]
+
+    def write(self, name: str, data: bytes) -> None:
+        self.folder.store.put((self.folder / name).key, data, sha256=hashlib.sha256(data).hexdigest())
+
+    def names(self) -> list[str]:
+        base = f"{self.folder.key}/"
+        return sorted(k[len(base):] for k in self.folder.store.list(base) if "/" not in k[len(base):])
+
+    def stale(self, mark: str) -> list[str]:
+        stem, rest = self.name.split(mark, 1)
+        rows, parent = rest.split("-")[0], f"{self.folder.parent.key}/"
+        siblings = {k[len(parent):].split("/")[0] for k in self.folder.store.list(f"{parent}{stem}{mark}")}
+        return sorted(n for n in siblings if n != self.name and (n.endswith((".npy", ".npz")) or n.split(mark, 1)[1].split("-")[0] != rows))
+
+    def remove_sibling(self, name: str) -> None:
+        sibling = self.folder.parent / name
+        for key in sorted(self.folder.store.list(f"{sibling.key}/")) + [sibling.key]:
+            self.folder.store.delete(key)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 from checkpoint.storage import CHECKPOINTS
 from common.files import atomic_write
 from common.outcome import BadInput, Failed, describe_os_error, exit_code, outcome_of
-from common.store import Lease, RemotePath, StoreError, StoreRefused, is_url, parse
+from common.store import Lease, RemotePath, StoreError, StoreRefused, is_url, parse, staging_root
 
 log = logging.getLogger("minimind")
 
@@ -75,7 +75,7 @@ def local_dir(out_dir) -> Path:
     if not is_url(out_dir):
         return Path(out_dir)
     bucket, prefix = parse(str(out_dir))
-    root = Path(os.environ.get(STAGING_ENV) or Path.home() / ".cache" / "minimind" / "staging")
+    root = staging_root()
     return root / bucket / prefix
 
 
@@ -83,7 +83,7 @@ def fetched_dir(url) -> Path:
     """Where the commands (inspect, status, ...) keep their verified copy of a run folder in the store:
     STAGING/.fetched/BUCKET/PREFIX, apart from a training's staging copy."""
     bucket, prefix = parse(str(url))
-    root = Path(os.environ.get(STAGING_ENV) or Path.home() / ".cache" / "minimind" / "staging")
+    root = staging_root()
     _fetched[root / ".fetched" / bucket / prefix] = RemotePath(url)
     return root / ".fetched" / bucket / prefix
 

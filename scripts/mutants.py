@@ -720,6 +720,19 @@ MUTANTS = (
            "objectives/grpo.py", '"advantages": advantages(r, g, self.cfg.scale_rewards, self.cfg.std == "sample", r)', '"advantages": advantages(r, g)',
            ("tests/test_objectives.py::test_the_agents_scale_rewards_std_and_mask_truncated_train_and_halted_on_2_resumed_on_3_equal_the_1_process_run"
             "[scale_rewards-none]",)),
+    Mutant("store-cache-fetched-unverified", "a packed file fetched from a cache in the store is used only when its sha256 is the record's (I20, I33)",
+           "common/store.py", "                if h.hexdigest() != sha256:\n                    raise _Mismatch\n",
+           "                if False:\n                    raise _Mismatch\n",
+           ("tests/test_object_storage_data.py::test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_packed_"
+            "again_and_put_back",)),
+    Mutant("store-cache-ignored", "a fresh node fetches the packed cache from the store: it neither reads the corpus nor packs it again (I20, I33)",
+           "data/prepare.py", '    got = store.get(key(f"{stem}.json"))\n', "    got = None\n",
+           ("tests/test_object_storage_data.py::test_a_fresh_node_with_the_corpus_and_its_packed_cache_in_the_store_neither_reads_the_"
+            "corpus_nor_packs_and_ends_on_the_same_bits",)),
+    Mutant("store-table-kept-local", "with the cache in the store the precomputed tables live there too: a fresh node recomputes nothing (I31, I33)",
+           "objectives/tables.py", "    return StoreTableFiles(url) if url else TableFiles(folder)\n", "    return TableFiles(folder)\n",
+           ("tests/test_object_storage_data.py::test_dpos_table_lives_beside_the_packed_rows_in_the_store_a_fresh_node_recomputes_nothing_"
+            "and_a_damaged_chunk_is_computed_again",)),
 )
 
 

@@ -49,6 +49,9 @@ NOT_RUN = {
         "bash scripts/train.sh out_dir=s3://my-bucket/runs/spot-1",
         ".venv/bin/python -m checkpoint status s3://my-bucket/runs/spot-1",
         ".venv/bin/python -m checkpoint inspect s3://my-bucket/runs/spot-1")},
+    "bash scripts/train.sh out_dir=s3://my-bucket/runs/spot-1 data.path=s3://my-bucket/corpora/web data.cache_dir=s3://my-bucket/cache":
+        "an S3 store: tests/test_object_storage_data.py::test_a_fresh_node_with_the_corpus_and_its_packed_cache_in_the_store_neither_"
+        "reads_the_corpus_nor_packs_and_ends_on_the_same_bits runs it against SeaweedFS",
     **{command: "tests/test_agent.py::test_the_agent_recipes_run_the_tool_use_fine_tune_then_agent_rl_over_it_at_a_tiny_size runs "
                 "both stages (an agent RL step generates episode by episode: 80 steps would be minutes here)" for command in (
         "bash scripts/train.sh --config configs/agent_sft_tiny.yaml", "bash scripts/train.sh --config configs/agent_tiny.yaml")},

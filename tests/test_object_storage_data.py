@@ -1,0 +1,207 @@
+"""A fresh node needs nothing local (issue 55, item 5): a corpus in the store (`data.path=s3://...`: an
+object, a prefix, a glob, `.gz`) packs with the fingerprint of the same files on a disk, and the packed
+cache in the store (`data.cache_dir=s3://...`) is fetched verified, so a relaunch on a new machine
+neither reads the corpus nor packs it again; the bytes it reads are the store client's own count
+(common/store.py: Store.bytes_read). Every test against the SeaweedFS the session starts
+(tests/seaweed.py); docs/object_storage.md, "Corpora and the packed cache"."""
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import launch
+from common.store import store_of
+from conftest import WORDS
+
+BUCKET = "runs"
+
+
+def corpus_files(rnd: random.Random, n_files: int = 3) -> dict[str, bytes]:
+    """A few JSONL files, the last gzip-compressed: name -> bytes."""
+    out = {}
+    for i in range(n_files):
+        lines = "".join(json.dumps({"text": " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(5, 30))).capitalize() + "."}) + "\n"
+                        for _ in range(400))
+        name = f"part{i}.jsonl" + (".gz" if i == n_files - 1 else "")
+        out[name] = gzip.compress(lines.encode(), mtime=0) if name.endswith(".gz") else lines.encode()
+    return out
+
+
+@pytest.fixture
+def both(s3_server, tmp_path, monkeypatch):
+    """The same corpus files on a disk (tmp_path/web) and in the store (s3://runs/<unique>/web), with a
+    staging folder of this test's own: (local folder, URL)."""
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "staging"))
+    prefix = f"corpora-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "web").mkdir()
+    for name, data in corpus_files(random.Random(0)).items():
+        (tmp_path / "web" / name).write_bytes(data)
+        store_of(BUCKET).put(f"{prefix}/web/{name}", data)
+    return tmp_path / "web", f"s3://{BUCKET}/{prefix}/web"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tail", ["", "/*.jsonl*", "/part2.jsonl.gz", "/**/part[01].jsonl"], ids=["prefix", "glob", "gz-object", "glob-2"])
+def test_a_corpus_in_the_store_packs_the_bytes_and_the_fingerprint_of_the_same_files_on_a_disk(both, tmp_path, tail):
+    from data.prepare import pack, resolve_source
+
+    local, url = both
+    bin_a, a = pack(resolve_source(f"{local}{tail}", tmp_path / "c1"), 32, tmp_path / "c1")
+    bin_b, b = pack(resolve_source(f"{url}{tail}", tmp_path / "c2"), 32, tmp_path / "c2")
+    assert a["source_sha256"] == b["source_sha256"] and a.get("files") == b.get("files") and a["num_samples"] == b["num_samples"]
+    assert bin_a.read_bytes() == bin_b.read_bytes()
+    assert b["source"] == f"{url}{tail}" and all(r["identity"].keys() == {"size", "etag"} for r in b["sources"])
+    # a second launch compares the listing's sizes and ETags: it reads none of the corpus's bytes
+    store = store_of(BUCKET)
+    store.bytes_read.clear()
+    pack(resolve_source(f"{url}{tail}", tmp_path / "c2"), 32, tmp_path / "c2")
+    assert store.bytes_read == {}
+
+
+@pytest.mark.unit
+def test_a_corpus_object_replaced_in_the_store_is_packed_again(both, tmp_path):
+    from data.prepare import pack, resolve_source
+
+    _, url = both
+    _, first = pack(resolve_source(url, tmp_path / "c"), 32, tmp_path / "c")
+    key = url.removeprefix(f"s3://{BUCKET}/") + "/part0.jsonl"
+    store_of(BUCKET).put(key, b'{"text": "another text, long enough to fill a sample of thirty-three tokens or more."}\n')
+    _, second = pack(resolve_source(url, tmp_path / "c"), 32, tmp_path / "c")
+    assert second["source_sha256"] != first["source_sha256"] and second["num_samples"] < first["num_samples"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path, says", [
+    ("s3://runs/no-such-prefix/corpus.jsonl", "data.path: corpus s3://runs/no-such-prefix/corpus.jsonl does not exist in the store"),
+    ("s3://runs/no-such-prefix/*.jsonl", "data.path=s3://runs/no-such-prefix/*.jsonl: the pattern matches no object in the store"),
+    ("s3:///corpus.jsonl", "data.path=s3:///corpus.jsonl: no bucket"),
+])
+def test_an_s3_data_path_that_names_nothing_is_exit_2_naming_it(s3_server, tiny, tmp_path, monkeypatch, path, says):
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "staging"))
+    code, err = launch.in_process(*tiny, f"data.path={path}", f"out_dir={tmp_path / 'run'}")
+    assert code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.e2e
+def test_a_store_that_does_not_answer_is_exit_1_naming_the_endpoint_and_the_object(s3_server, tiny, tmp_path):
+    from test_preempt_e2e import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = launch.run(0, *tiny, f"data.path=s3://{BUCKET}/corpora/web", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}",
+                      expect=1, env={**s3_server.env, "AWS_ENDPOINT_URL": dead, "MINIMIND_S3_ATTEMPTS": "2",
+                                     "MINIMIND_STAGING_DIR": str(tmp_path / "staging")})
+    assert f"{dead}: check s3://{BUCKET}/ failed after 2 attempts" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_fresh_node_with_the_corpus_and_its_packed_cache_in_the_store_neither_reads_the_corpus_nor_packs_and_ends_on_the_same_bits(
+        both, tiny, tmp_path, monkeypatch):
+    """The spot story for the data: node 1 packs the corpus from the store into the cache in the store and
+    trains to step 4 (out_dir in the store too); node 2, whose disk never saw the run, runs the same
+    command: it reads the cache's fingerprint, fetches the packed files verified, reads no byte of the
+    corpus, packs nothing, and ends equal to the run on a disk. A second relaunch on node 2 reads the
+    fingerprint alone."""
+    from common.store import RemotePath
+
+    local, url = both
+    cache, out = f"{url.rsplit('/', 1)[0]}/cache", f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    args = [*[a for a in tiny if not a.startswith(("data.path=", "data.cache_dir="))], "train.steps=8", "checkpoint.interval=4"]
+    code, _ = launch.in_process(*args, f"data.path={local}", f"data.cache_dir={tmp_path / 'disk-cache'}", f"out_dir={tmp_path / 'ref'}")
+    assert code == 0
+    store = store_of(BUCKET)
+    corpus_keys = set(store.list(url.removeprefix(f"s3://{BUCKET}/") + "/"))
+    corpus_bytes = sum(store.list(url.removeprefix(f"s3://{BUCKET}/") + "/").values())
+    run = [*args, f"data.path={url}", f"data.cache_dir={cache}", f"out_dir={out}"]
+
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node1"))
+    code, err = launch.in_process(*run, "train.halt_at=4")
+    assert code == 0 and "packed s3://" in err and "put in the store" in err, err[-3000:]
+
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node2"))  # a new machine: nothing of the run on its disk
+    store.bytes_read.clear()
+    code, err = launch.in_process(*run)
+    assert code == 0 and "packed s3://" not in err and "fetched from the store" in err and "not packed again" in err, err[-3000:]
+    read = dict(store.bytes_read)
+    cache_prefix = cache.removeprefix(f"s3://{BUCKET}/") + "/"
+    cache_read = {k: n for k, n in read.items() if k.startswith(cache_prefix)}
+    record = json.loads(store.get(next(k for k in cache_read if k.endswith(".json")))[0])
+    assert not corpus_keys & set(read), "the fresh node read the corpus"
+    assert cache_read == {**{cache_prefix + n: e["bytes"] for n, e in record["cache_files"].items()},
+                          next(k for k in cache_read if k.endswith(".json")): len(json.dumps(record, indent=1).encode())}
+    print(f"fresh node: the corpus {corpus_bytes} bytes, read 0 of it; the packed cache fetched {sum(cache_read.values())} bytes")
+
+    # the run: every logged loss and the weights equal the run on a disk
+    metrics = [json.loads(line) for line in (tmp_path / "node2" / BUCKET / RemotePath(out).key / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == launch.losses(tmp_path / "ref") and len(metrics) == 8
+    compare = subprocess.run([sys.executable, "-m", "checkpoint", "compare", out, str(tmp_path / "ref")], cwd=launch.ROOT,
+                             capture_output=True, text=True, env={**launch.os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+
+    store.bytes_read.clear()  # the same node again: its verified copy stands; the fingerprint is all it reads of the cache
+    code, err = launch.in_process(*run)
+    assert code == 0, err[-3000:]
+    cache_read = {k: n for k, n in store.bytes_read.items() if k.startswith(cache_prefix)}
+    assert list(cache_read) == [k for k in cache_read if k.endswith(".json")] and sum(cache_read.values()) < 0.05 * corpus_bytes
+    assert not corpus_keys & set(store.bytes_read)
+
+
+@pytest.mark.e2e
+def test_dpos_table_lives_beside_the_packed_rows_in_the_store_a_fresh_node_recomputes_nothing_and_a_damaged_chunk_is_computed_again(
+        s3_server, tmp_path, monkeypatch):
+    """With data.cache_dir=s3://... the precomputed table (objectives/tables.py: StoreTableFiles) is
+    objects beside the packed rows: a fresh node reads it verified and computes no row; a chunk whose
+    bytes changed in the store is named and computed again; every run ends on the same bits."""
+    from objectives import tables
+    from test_dpo import base, pairs, write
+
+    cache = f"s3://{BUCKET}/dpo-{uuid.uuid4().hex[:8]}/cache"
+    args = [*base(write(tmp_path / "dpo.jsonl", pairs()), cache), "train.steps=2"]
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node1"))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'a'}")
+    assert code == 0 and "rows computed" in err, err[-3000:]
+    store, prefix = store_of(BUCKET), cache.removeprefix(f"s3://{BUCKET}/") + "/"
+    (table,) = {k[len(prefix):].split("/")[0] for k in store.list(prefix) if ".ref-" in k}
+    chunks = sorted(k for k in store.list(f"{prefix}{table}/") if k.endswith(".safetensors"))
+    assert chunks and f"{prefix}{table}/{tables.MANIFEST}" in store.list(f"{prefix}{table}/")
+    assert not list((tmp_path / "node1").rglob("*.safetensors"))  # the table is in the store, not on the node's disk
+
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node2"))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'b'}")
+    assert code == 0 and "rows computed" not in err and "rows the run reads verified" in err, err[-3000:]
+    launch.assert_identical(tmp_path / "b", tmp_path / "a")
+
+    data = bytearray(store.get(chunks[0])[0])
+    data[-3] ^= 0x10
+    store.put(chunks[0], bytes(data))
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node3"))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'c'}")
+    assert code == 0 and f"{chunks[0].rpartition('/')[2]} is damaged (its sha256" in err and "rows computed" in err, err[-3000:]
+    launch.assert_identical(tmp_path / "c", tmp_path / "a")
+
+
+@pytest.mark.unit
+def test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_packed_again_and_put_back(both, tmp_path, monkeypatch,
+                                                                                                           caplog):
+    from data.prepare import pack, resolve_source
+
+    local, url = both
+    cache = f"{url.rsplit('/', 1)[0]}/cache"
+    want, _ = pack(resolve_source(str(local), tmp_path), 32, tmp_path / "disk")
+    pack(resolve_source(url, tmp_path), 32, cache)
+    store, prefix = store_of(BUCKET), cache.removeprefix(f"s3://{BUCKET}/") + "/"
+    (key,) = [k for k in store.list(prefix) if k.endswith(".bin")]
+    data = bytearray(store.get(key)[0])
+    data[100] ^= 1
+    store.put(key, bytes(data))
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
+    with caplog.at_level("INFO", logger="minimind"):
+        got, _ = pack(resolve_source(url, tmp_path), 32, cache)
+    assert f"s3://{BUCKET}/{key}: its bytes hash to" in caplog.text and "packed again" in caplog.text and "packed s3://" in caplog.text
+    assert got.read_bytes() == want.read_bytes() == store.get(key)[0]  # the corpus's own packing, put back
