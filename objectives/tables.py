@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from common.files import atomic_write
-from common.outcome import attempt
+from common.outcome import Stopped, attempt
 from data.sampler import make_order
 
 log = logging.getLogger("minimind")
@@ -260,6 +260,22 @@ def precompute(files: TableFiles, needed: np.ndarray, compute: Callable[[int], d
             files.remove_sibling(old)
 
     agree(what, attempt(tidy) if writer else None)
+    try:
+        _rounds(files, todo, compute, empty, rt, writer, agree, what, manifest, have, len(missing))
+    except Stopped:
+        if rt.is_main:  # what the manifest on disk lists (the stop may have come between its write and anything after)
+            try:
+                kept = len(json.loads(files.read(MANIFEST) or b'{"chunks": {}}')["chunks"])
+            except (ValueError, KeyError, TypeError, OSError):
+                kept = 0
+            log.warning("%s: stopped; %s keeps the %d chunk(s) published, the next launch continues from them", what, files.name, kept)
+        raise
+    return Table.of(have, empty)
+
+
+def _rounds(files: TableFiles, todo: list[list[int]], compute, empty: dict[str, np.ndarray], rt, writer: bool, agree, what: str,
+            manifest: dict, have: dict, missing: int) -> None:
+    """The groups' chunks, W at a time: computed, gathered, published by the writer (listed in `manifest`), kept in `have`."""
     done, last = 0, time.monotonic()
     for start in range(0, len(todo), rt.world_size):
         round_ = todo[start:start + rt.world_size]
@@ -271,21 +287,22 @@ def precompute(files: TableFiles, needed: np.ndarray, compute: Callable[[int], d
         gathered = rt.all_gather(mine)
 
         def publish() -> None:
+            listed = dict(manifest)
             for part in gathered[:len(round_)]:
                 chunk = Table.of(part, empty)
                 data = chunk.to_bytes()
                 name = chunk_name(chunk.rows.tolist())
                 files.write(name, data)
-                manifest[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(chunk.rows)}
-            files.write(MANIFEST, json.dumps({"format": FORMAT, "chunks": dict(sorted(manifest.items()))}, indent=1).encode())
+                listed[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(chunk.rows)}
+            files.write(MANIFEST, json.dumps({"format": FORMAT, "chunks": dict(sorted(listed.items()))}, indent=1).encode())
+            manifest.update(listed)  # published: the manifest that lists them is written
 
         agree(what, attempt(publish) if writer else None)
         for part in gathered:
             have.update(part)
         done += sum(len(c) for c in round_)
-        if rt.is_main and (time.monotonic() - last > 10 or done == len(missing)):
+        if rt.is_main and (time.monotonic() - last > 10 or done == missing):
             last = time.monotonic()
-            log.info("%s: %d of %d rows computed into %s (%d chunk(s) published)", what, done, len(missing), files.name,
+            log.info("%s: %d of %d rows computed into %s (%d chunk(s) published)", what, done, missing, files.name,
                      min(start + rt.world_size, len(todo)))
-    return Table.of(have, empty)
 

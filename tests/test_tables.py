@@ -58,6 +58,7 @@ def test_a_precompute_stopped_twice_by_sigterm_continues_from_its_chunks_to_the_
         assert 0 < listed(tmp_path / "cache") < 4, log.read_text()[-3000:]  # stopped inside the precompute
         text = log.read_text()
         assert "Traceback" not in text and "exit 75" in text, text[-3000:]
+        assert f"keeps the {listed(tmp_path / 'cache')} chunk(s) published, the next launch continues from them" in text, text[-3000:]
     kept = listed(tmp_path / "cache")
     proc = launch.run(0, *args, f"out_dir={tmp_path / 'run'}", script=SLOW, env={"SLOW_TABLE_S": "0.25"})
     assert f"train.dpo.precompute: {8 * kept} of the 31 rows the run reads verified" in proc.stderr, proc.stderr[-3000:]
