@@ -161,7 +161,7 @@ class Live:
 
     def __init__(self, cfg: dict, ft: FTConfig, rt, run, metrics: Metrics, architecture: dict) -> None:
         self.cfg, self.ft, self.rt, self.run, self.architecture = cfg, ft, rt, run, architecture
-        self.code = code_hashes()
+        self.code, self.born = code_hashes(), time.time()
         self.sink = getattr(metrics, "sink", None)
         self.writer = False
         self.membership = Membership(ft, rt, self.state_dict, self.load_state_dict, run.train_state.step)
@@ -179,19 +179,36 @@ class Live:
                 "identity": model_sha256(self.run.model.state_dict(), self.architecture),
                 "optimizer_sha256": tree_sha256(states["optimizer"]), "config": self.cfg, "code": self.code}
 
+    def same_run(self, config: dict, code: dict, other: int, how: str) -> None:
+        """HealRefused (exit 2) naming the keys or files in which this group differs from group `other`."""
+        mine, theirs = flat(self.cfg), flat(config)
+        differs = sorted(k for k in set(mine) | set(theirs) if k not in PER_GROUP and mine.get(k) != theirs.get(k))
+        if differs:
+            raise HealRefused(f"ft: group {self.ft.group} cannot {how} group {other}: another config: "
+                              + "; ".join(f"{k}={mine.get(k)!r} here, {theirs.get(k)!r} there" for k in differs[:8]))
+        files = sorted(k for k in set(code) | set(self.code) if code.get(k) != self.code.get(k))
+        if files:
+            raise HealRefused(f"ft: group {self.ft.group} cannot {how} group {other}: other code: {', '.join(files[:8])} differ")
+
+    def check_members(self) -> bool:
+        """At a membership change, before the step: every participant's config and code against the
+        oldest launch's among them (ties: the lowest id); a group that differs is refused by name (exit
+        2), whether or not it needed a heal. False when a peer failed meanwhile (the step is done again)."""
+        blob = json.dumps({"group": self.ft.group, "born": self.born, "config": self.cfg, "code": self.code}).encode()
+        got = self.membership.exchange(blob)
+        if got is None:
+            return False
+        seen = [json.loads(b) for b in got]
+        first = min(seen, key=lambda x: (x["born"], x["group"]))
+        if first["group"] != self.ft.group:
+            self.same_run(first["config"], first["code"], first["group"], "train beside")
+        return True
+
     def load_state_dict(self, payload: dict) -> None:
         """Heal from a peer's payload: refused by name (exit 2) when its config or code differ, or when
         what was loaded is not what the sender held."""
         t0, sender = time.monotonic(), payload["group"]
-        differs = sorted(k for k in set(flat(payload["config"])) | set(flat(self.cfg))
-                         if k not in PER_GROUP and flat(payload["config"]).get(k) != flat(self.cfg).get(k))
-        if differs:
-            mine, theirs = flat(self.cfg), flat(payload["config"])
-            raise HealRefused(f"ft: group {self.ft.group} cannot heal from group {sender}: another config: "
-                              + "; ".join(f"{k}={mine.get(k)!r} here, {theirs.get(k)!r} there" for k in differs[:8]))
-        files = sorted(k for k in set(payload["code"]) | set(self.code) if payload["code"].get(k) != self.code.get(k))
-        if files:
-            raise HealRefused(f"ft: group {self.ft.group} cannot heal from group {sender}: other code: {', '.join(files[:8])} differ")
+        self.same_run(payload["config"], payload["code"], sender, "heal from")
         for name, obj in self.run.states.items():
             obj.load_state_dict(payload["states"][name])
         restore(payload["rng"], self.rt.device)
@@ -218,6 +235,10 @@ class Live:
         plan, state = self.run.plan, self.run.train_state
         while state.step < steps:
             participants = self.membership.quorum(state.step)
+            if self.membership.changed and not self.check_members():
+                # A peer failed during the check: nothing is committed; the next quorum (a new one, without it) checks again.
+                self.membership.commit()
+                continue
             if self.membership.manager.current_step() != state.step:
                 raise RuntimeError(f"ft: group {self.ft.group} is at step {self.membership.manager.current_step()} of the quorum "
                                    f"but its data cursor says step {state.step}")

@@ -109,8 +109,9 @@ class Protocol:
         peer = self.posted()
         if peer is not None:
             return outcome_of(peer, me), peer.describe(me)
-        if isinstance(e, Stopped):
-            return "stopped", f"stopped on {signal} during {self.phase}: nothing to save; the previous checkpoint (if any) stands"
+        if isinstance(e, Stopped):  # a signal, or a stop with its own message (live recovery's lost quorum: runtime/ft.py)
+            return "stopped", str(e) if signal is None and str(e) else \
+                f"stopped on {signal} during {self.phase}: nothing to save; the previous checkpoint (if any) stands"
         self.post(self.phase, e)
         if not known(e):  # a bug: the traceback goes to the log
             log.error("%s", "".join(traceback.format_exception(e)).rstrip())

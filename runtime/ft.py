@@ -122,8 +122,8 @@ class Membership:
         from torchft import Manager, ProcessGroupGloo
 
         self.cfg, self.rt = cfg, rt
-        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # a line per step each: ours say what changed
-            logging.getLogger(name).setLevel(logging.WARNING)
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # a line per step each, and a traceback for
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # a failed heal it handles: ours say what changed and what failed
         timeout = timedelta(seconds=cfg.timeout_s)
         if rt.world_size > 1:  # the group's own torchrun store
             addr, port, self._store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
@@ -133,7 +133,7 @@ class Membership:
         self.pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_groups, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=min(cfg.timeout_s, cfg.quorum_timeout_s)), connect_timeout=timeout,
+            timeout=timeout, quorum_timeout=timedelta(seconds=min(cfg.timeout_s, cfg.quorum_timeout_s)),  # one try; quorum() retries connect_timeout=timeout,
             rank=rt.rank, world_size=rt.world_size, store_addr=addr, store_port=port, lighthouse_addr=f"http://{cfg.lighthouse}",
             replica_id=f"group{cfg.group}", hostname=os.environ.get("MINIMIND_FT_HOST") or socket.gethostname(),
             checkpoint_transport=_safe_transport(timeout), init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
@@ -142,6 +142,7 @@ class Membership:
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.participants: tuple[int, ...] = ()
         self.healed_from: int | None = None
+        self.quorum_id = -1
 
     def quorum(self, step: int) -> tuple[int, ...]:
         """The groups taking part in step `step` (this one among them, healed first if it was behind).
@@ -159,12 +160,20 @@ class Membership:
                     raise QuorumLost(f"ft: no quorum for {self.cfg.quorum_timeout_s:g} s (ft.quorum_timeout_s) from the Lighthouse at "
                                      f"{self.cfg.lighthouse} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                                      f"stopped at step {step}, resumable") from None
+                self.manager._quorum_future = None  # torchft re-raises a failed quorum at the next start: this one is over
                 if not waited:
                     log.warning("ft: group %d waits for a quorum at step %d (%s)", self.cfg.group, step, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
                     waited = True
                 time.sleep(0.5)
+        if (failed := self.manager.errored()) is not None:  # a heal that failed (its sender gone or busy): the step is done again
+            log.warning("ft: group %d: the heal at step %d failed (%s); this step is not committed, the quorum is asked again",
+                        self.cfg.group, step, str(failed.original_exception).splitlines()[0][:200] if str(failed.original_exception) else
+                        type(failed.original_exception).__name__)
         q = self.client.last
         before, self.participants = self.participants, tuple(sorted(group_of(r) for r in q.replica_ids))
+        # A new quorum id for every member alike (the Lighthouse bumps it at any change of membership): what
+        # the members do once per quorum (check_members' collective) they do together.
+        self.changed, self.quorum_id = q.quorum_id != self.quorum_id, q.quorum_id
         self.replica_groups = [group_of(r) for r in q.replica_ids]  # the process group's ranks, in order
         if self.participants != before and self.rt.is_main:
             left, joined = sorted(set(before) - set(self.participants)), sorted(set(self.participants) - set(before))
@@ -193,6 +202,25 @@ class Membership:
             self.manager.report_error(e)
             return None
         return out
+
+    def exchange(self, blob: bytes) -> list[bytes] | None:
+        """Every participant's `blob`, in `replica_groups` order (two gathers: the lengths, then the
+        padded bytes); None when a peer failed (reported: the step is not committed)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        n, mine = len(self.replica_groups), torch.tensor([len(blob)], dtype=torch.int64)
+        try:
+            sizes = torch.empty(n, 1, dtype=torch.int64)
+            self.pg.allgather([list(sizes.unbind(0))], [mine], AllgatherOptions()).wait()
+            width = int(sizes.max())
+            padded = torch.zeros(width, dtype=torch.uint8)
+            padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            out = torch.empty(n, width, dtype=torch.uint8)
+            self.pg.allgather([list(out.unbind(0))], [padded], AllgatherOptions()).wait()
+        except Exception as e:  # noqa: BLE001 - a peer that died: the step is not committed, done again
+            self.manager.report_error(e)
+            return None
+        return [bytes(out[k, : int(sizes[k])].tolist()) for k in range(n)]
 
     def commit(self) -> bool:
         """Whether this group may step (every rank of it agrees; torchft's should_commit)."""

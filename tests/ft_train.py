@@ -7,7 +7,8 @@ at a chosen step. The trainer has no such switch.
                           it dies while sending) or recv (it dies while receiving a heal)
     FT_HANG=STEP          SIGSTOP this process before the gather of step STEP (a hung group; the test kills it)
     FT_CORRUPT_HEAL=1     a healed group's received weights get one value changed before they are loaded
-    FT_GATE=STEP:PATH     wait before the quorum of step STEP until PATH exists (a test lets a new group start up first)
+    FT_GATE=STEP:PATH,..  wait before the quorum of step STEP until PATH exists (a test lets a new group start up first)
+    FT_ONCE=PATH          FT_KILL fires only in the first process that creates PATH (of several armed alike)
 
 Each group says `ft_train: in the run` once its Manager is up (from then on the quorum waits for it).
 """
@@ -28,11 +29,16 @@ KILL = os.environ.get("FT_KILL", "")
 WHERE, AT = (KILL.split(":")[0], int(KILL.split(":")[1])) if KILL else ("", -1)
 HANG = int(os.environ.get("FT_HANG", "-1"))
 STEP_S = float(os.environ.get("FT_STEP_S", "0"))
-GATE_AT, GATE = (int(os.environ["FT_GATE"].split(":", 1)[0]), Path(os.environ["FT_GATE"].split(":", 1)[1])) if os.environ.get("FT_GATE") \
-    else (-1, None)
+GATES = [(int(g.split(":", 1)[0]), Path(g.split(":", 1)[1])) for g in os.environ.get("FT_GATE", "").split(",") if g]
+ONCE = os.environ.get("FT_ONCE")
 
 
 def die(why: str) -> None:
+    if ONCE:
+        try:
+            os.close(os.open(ONCE, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
     print(f"ft_train: SIGKILL {why}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -45,7 +51,7 @@ def quorum(self, step):
         die(f"before the quorum of step {step}")
     if STEP_S:
         time.sleep(STEP_S)
-    while GATE is not None and step >= GATE_AT and not GATE.exists():
+    while any(step >= at and not gate.exists() for at, gate in GATES):
         time.sleep(0.05)
     return _quorum(self, step)
 

@@ -51,7 +51,8 @@ class Lighthouse:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "Lighthouse":
-        self.proc = launch.start([sys.executable, "-m", "runtime.lighthouse", "--port", str(self.port), "--heartbeat-timeout-ms", "1000"],
+        self.proc = launch.start([sys.executable, "-m", "runtime.lighthouse", "--port", str(self.port), "--heartbeat-timeout-ms", "1000",
+                                  "--join-timeout-ms", "3000"],
                                  self.log)
         launch.wait_for(lambda: "listening" in self.log.read_text(), timeout=60, proc=self.proc)
         return self
@@ -88,8 +89,8 @@ def one_process(tmp_path_factory, ft_args) -> Path:
 def group(house: Lighthouse, out: Path, g: int, args: list[str], groups: int = 3, nproc: int = 0, env: dict | None = None,
           tag: str = "") -> subprocess.Popen:
     """Launch group g of the run in `out` (train.py through tests/ft_train.py), output to out.g<g><tag>.log."""
-    cmd = launch.command(nproc, *args, f"out_dir={out}", f"ft.lighthouse={house.address}", f"ft.group={g}", f"ft.groups={groups}",
-                         "ft.timeout_s=10", script="tests/ft_train.py")
+    cmd = launch.command(nproc, "ft.timeout_s=10", "ft.quorum_timeout_s=60", *args, f"out_dir={out}", f"ft.lighthouse={house.address}",
+                         f"ft.group={g}", f"ft.groups={groups}", script="tests/ft_train.py")
     return launch.start(cmd, out.parent / f"{out.name}.g{g}{tag}.log", env={"FT_STEP_S": "0.15", **(env or {})})
 
 
@@ -257,3 +258,203 @@ def test_the_docs_two_group_recipe_runs_as_written_and_ends_on_the_one_process_b
         procs[0].send_signal(signal.SIGTERM)
         procs[0].wait(timeout=30)
     assert_equals_one_process(out, one_process)
+
+
+# ---------------------------------------------------------------- the disk is still the floor
+def test_every_group_lost_the_same_commands_resume_from_the_newest_checkpoint_and_end_bit_identical(tmp_path, lighthouse, ft_args,
+                                                                                                   one_process):
+    out = tmp_path / "run"
+    held = {"FT_GATE": f"10:{tmp_path / 'never'}"}  # every group waits before step 10: then all of them are SIGKILLed
+    procs = {g: group(lighthouse, out, g, ft_args, env=held) for g in range(3)}
+    wait_step(out, 9)
+    launch.wait_for(lambda: (out / "checkpoints" / "step_00000008" / "manifest.json").exists(), timeout=60)
+    for proc in procs.values():
+        launch.kill_tree(proc.pid, signal.SIGKILL)
+    assert finish(procs) == {g: -signal.SIGKILL for g in range(3)}
+    procs = {g: group(lighthouse, out, g, ft_args, tag="b") for g in range(3)}
+    assert finish(procs) == {0: 0, 1: 0, 2: 0}, log_of(out, 0, "b")[-3000:]
+    assert "resumes at sample" in log_of(out, 0, "b")
+    assert_equals_one_process(out, one_process)
+
+
+def test_a_run_with_ft_resumes_without_it_on_two_processes_and_back_with_it_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out = tmp_path / "run"
+    assert finish({0: group(lighthouse, out, 0, [*ft_args, "train.halt_at=5"], groups=1)}) == {0: 0}
+    launch.run(2, *ft_args, "train.halt_at=10", f"out_dir={out}")  # plain torchrun, no ft.*
+    procs = {g: group(lighthouse, out, g, ft_args, groups=2, tag="c") for g in range(2)}
+    assert finish(procs) == {0: 0, 1: 0}, log_of(out, 1, "c")[-3000:]
+    assert_equals_one_process(out, one_process)
+
+
+# ---------------------------------------------------------------- faults
+def test_a_group_sigkilled_three_times_at_random_steps_and_relaunched_each_time_ends_bit_identical(tmp_path, lighthouse, ft_args,
+                                                                                                 one_process):
+    import random
+
+    seed = random.randrange(10**6)
+    rnd = random.Random(seed)
+    a = rnd.randint(2, 3)
+    b = a + 2 + rnd.randint(0, 1)
+    c = b + 2 + rnd.randint(0, 1)
+    gates = ",".join(f"{k + 1}:{tmp_path / f'gate{n}'}" for n, k in enumerate((a, b, c)))  # the others wait for each relaunch
+    out, kills, start = tmp_path / "run", [f"gather:{a}", f"quorum:{b}", f"gather:{c}"], f"0:{tmp_path / 'start'}"
+    procs = {g: group(lighthouse, out, g, ft_args, env={"FT_GATE": f"{start},{gates}"}) for g in range(2)}
+    procs["2"] = group(lighthouse, out, 2, ft_args, env={"FT_KILL": kills[0], "FT_GATE": start})
+    for g in range(3):  # the three start together: the first kill is then the only change of membership before it
+        in_the_run(out, g)
+    (tmp_path / "start").touch()
+    for n in range(3):
+        assert procs[str(2) + "b" * n].wait(timeout=180) == -signal.SIGKILL, (seed, log_of(out, 2, "b" * n)[-3000:])
+        tag = "b" * (n + 1)
+        procs[str(2) + tag] = group(lighthouse, out, 2, ft_args, env={"FT_KILL": kills[n + 1]} if n < 2 else None, tag=tag)
+        in_the_run(out, 2, tag)
+        (tmp_path / f"gate{n}").touch()
+    codes = finish(procs)
+    assert codes == {0: 0, 1: 0, "2": -9, "2b": -9, "2bb": -9, "2bbb": 0}, (seed, codes)
+    assert_equals_one_process(out, one_process)
+
+
+def test_sigkill_of_the_healing_group_while_it_receives_then_relaunched_ends_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
+    gates = f"6:{tmp_path / 'gate'},10:{tmp_path / 'gate_b'}"  # each opened once the next launch is in the run
+    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": gates}) for g in range(2)}
+    wait_step(out, 3)
+    procs[2] = group(lighthouse, out, 2, args, env={"FT_KILL": "recv:0"})
+    in_the_run(out, 2)
+    (tmp_path / "gate").touch()
+    assert procs[2].wait(timeout=180) == -signal.SIGKILL
+    assert "SIGKILL while receiving a heal" in log_of(out, 2)
+    procs["2b"] = group(lighthouse, out, 2, args, tag="b")
+    in_the_run(out, 2, "b")
+    (tmp_path / "gate_b").touch()
+    assert finish(procs) == {0: 0, 1: 0, 2: -signal.SIGKILL, "2b": 0}, log_of(out, 2, "b")[-3000:]
+    assert "ft: group 2 healed from group" in log_of(out, 2, "b")
+    assert_equals_one_process(out, one_process)
+
+
+def test_sigkill_of_the_sending_group_during_a_heal_the_healer_heals_from_another_and_the_run_ends_bit_identical(tmp_path, lighthouse,
+                                                                                                             ft_args, one_process):
+    """Groups 0 and 1 are both armed to die when asked for a heal, the first one asked dies (FT_ONCE);
+    group 2's heal fails, the step is done again, and it heals from the one left."""
+    out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
+    armed = {"FT_KILL": "send:1", "FT_ONCE": str(tmp_path / "fired"), "FT_GATE": f"8:{tmp_path / 'gate'}"}
+    procs = {g: group(lighthouse, out, g, args, env=armed) for g in range(2)}
+    wait_step(out, 3)
+    procs[2] = group(lighthouse, out, 2, args)
+    in_the_run(out, 2)
+    (tmp_path / "gate").touch()
+    codes = finish(procs)
+    assert sorted(map(str, codes.values())) == sorted(["0", "0", str(-signal.SIGKILL)]), codes
+    sender = next(g for g, code in codes.items() if code == -signal.SIGKILL)
+    assert "SIGKILL while sending a heal" in log_of(out, sender)
+    assert f"ft: group 2 healed from group {1 - sender}" in log_of(out, 2)
+    assert_equals_one_process(out, one_process)
+
+
+def test_a_hung_group_is_left_out_after_the_timeout_named_and_the_run_ends_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out = tmp_path / "run"
+    args = [*ft_args, "ft.timeout_s=4"]
+    procs = {g: group(lighthouse, out, g, args, env={"FT_HANG": "5"} if g == 2 else None) for g in range(3)}
+    try:
+        assert finish({0: procs[0], 1: procs[1]}) == {0: 0, 1: 0}, log_of(out, 0)[-3000:]
+    finally:
+        launch.kill_tree(procs[2].pid, signal.SIGKILL)
+    assert "SIGSTOP before the gather of step 5" in log_of(out, 2)
+    said = log_of(out, 0) + log_of(out, 1)
+    assert "(left: [2])" in said and "the gather of step 5 failed" in said
+    assert_equals_one_process(out, one_process)
+
+
+def test_the_lighthouse_killed_and_restarted_the_groups_wait_for_it_and_end_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    out = tmp_path / "run"
+    procs = {g: group(lighthouse, out, g, ft_args) for g in range(2)}
+    wait_step(out, 4)
+    lighthouse.stop()
+    time.sleep(3)
+    lighthouse.start()
+    assert finish(procs) == {0: 0, 1: 0}, log_of(out, 0)[-3000:]
+    assert "waits for a quorum" in log_of(out, 0) and "has a quorum again" in log_of(out, 0)
+    assert_equals_one_process(out, one_process)
+
+
+def test_the_lighthouse_gone_for_good_the_groups_stop_with_75_named_and_the_same_commands_resume_exactly(tmp_path, lighthouse, ft_args,
+                                                                                                      one_process):
+    out, args = tmp_path / "run", [*ft_args, "ft.quorum_timeout_s=4"]
+    procs = {g: group(lighthouse, out, g, args) for g in range(2)}
+    wait_step(out, 5)
+    lighthouse.stop()
+    assert finish(procs) == {0: 75, 1: 75}, log_of(out, 0)[-3000:]
+    assert "ft: no quorum for 4 s (ft.quorum_timeout_s)" in log_of(out, 0)
+    lighthouse.start()
+    assert finish({g: group(lighthouse, out, g, args, tag="b") for g in range(2)}) == {0: 0, 1: 0}, log_of(out, 0, "b")[-3000:]
+    assert_equals_one_process(out, one_process)
+
+
+def test_a_group_launched_with_another_config_is_refused_at_the_heal_exit_2_naming_the_key(tmp_path, lighthouse, ft_args, one_process):
+    out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
+    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": f"8:{tmp_path / 'gate'}"}) for g in range(2)}
+    wait_step(out, 3)
+    odd = group(lighthouse, out, 2, [*args, "train.lr=0.001"])
+    in_the_run(out, 2)
+    (tmp_path / "gate").touch()
+    assert odd.wait(timeout=180) == 2, log_of(out, 2)[-3000:]
+    said = log_of(out, 2)
+    assert "ft: group 2 cannot heal from group" in said and "train.lr=0.001 here, 0.003 there" in said and "Traceback" not in said
+    assert finish(procs) == {0: 0, 1: 0}
+    assert_equals_one_process(out, one_process)
+
+
+def test_a_heal_whose_weights_do_not_arrive_as_sent_is_refused_naming_the_identity(tmp_path, lighthouse, ft_args, one_process):
+    out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
+    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": f"8:{tmp_path / 'gate'}"}) for g in range(2)}
+    wait_step(out, 3)
+    bad = group(lighthouse, out, 2, args, env={"FT_CORRUPT_HEAL": "1"})
+    in_the_run(out, 2)
+    (tmp_path / "gate").touch()
+    assert bad.wait(timeout=180) == 2, log_of(out, 2)[-3000:]
+    assert "its model identity is" in log_of(out, 2) and "refused" in log_of(out, 2)
+    assert finish(procs) == {0: 0, 1: 0}
+    assert_equals_one_process(out, one_process)
+
+
+def test_groups_of_two_processes_one_lost_and_relaunched_heal_and_end_bit_identical(tmp_path, lighthouse, ft_args, one_process):
+    """Two groups, each a torchrun job of 2 processes (DDP inside): group 1's node dies (its whole
+    tree SIGKILLed), is relaunched and heals, rank by rank, from group 0."""
+    out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
+    procs = {0: group(lighthouse, out, 0, args, groups=2, nproc=2, env={"FT_GATE": f"9:{tmp_path / 'gate'}"}),
+             1: group(lighthouse, out, 1, args, groups=2, nproc=2)}
+    wait_step(out, 4)
+    launch.kill_tree(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(timeout=60)
+    procs["1b"] = group(lighthouse, out, 1, args, groups=2, nproc=2, tag="b")
+    launch.wait_for(lambda: log_of(out, 1, "b").count("ft_train: in the run") == 2, timeout=180, every=0.05)
+    (tmp_path / "gate").touch()
+    codes = finish(procs)
+    assert codes[0] == 0 and codes["1b"] == 0, log_of(out, 1, "b")[-3000:]
+    assert "ft: group 1 healed from group 0" in log_of(out, 1, "b")
+    assert_equals_one_process(out, one_process)
+
+
+# ---------------------------------------------------------------- objectives
+def test_sft_under_live_recovery_a_group_lost_and_healed_ends_on_the_one_process_bits(tmp_path, lighthouse, tiny):
+    import json
+    import random
+
+    rnd, words = random.Random(1), "the a model data step epoch resume checkpoint rank world size batch order seed".split()
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"conversations": [
+        {"role": "user", "content": " ".join(rnd.choice(words) for _ in range(rnd.randint(3, 10)))},
+        {"role": "assistant", "content": " ".join(rnd.choice(words) for _ in range(rnd.randint(3, 20)))}]}) + "\n" for _ in range(300)))
+    args = [*tiny, "dist.reduce=canonical", f"data.path={chats}", "data.format=chat", "model.seq_len=64", "train.steps=12",
+            "checkpoint.interval=0", "log.sample_ids=true"]
+    ref = tmp_path / "ref"
+    launch.run(0, *args, f"out_dir={ref}")
+    out = tmp_path / "run"
+    procs = {g: group(lighthouse, out, g, args, groups=2, env={"FT_KILL": "gather:3"} if g == 1 else {"FT_GATE": f"6:{tmp_path / 'g'}"})
+             for g in range(2)}
+    assert procs[1].wait(timeout=180) == -signal.SIGKILL
+    procs["1b"] = group(lighthouse, out, 1, args, groups=2, tag="b")
+    in_the_run(out, 1, "b")
+    (tmp_path / "g").touch()
+    assert finish(procs) == {0: 0, 1: -signal.SIGKILL, "1b": 0}
+    assert_equals_one_process(out, ref)
