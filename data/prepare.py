@@ -303,8 +303,7 @@ def _pack_in_store(corpus: Corpus, seq_len: int, cache_dir: str, tok, **kwargs) 
     """`_pack` over the staging copy of the cache in the store at `cache_dir` (docs/object_storage.md,
     "Corpora and the packed cache"): its files fetched and verified first, a repack put back, the fingerprint last."""
     bucket, prefix = parse(str(cache_dir), "data.cache_dir")
-    store = store_of(bucket)
-    store.check()
+    store = store_of(bucket)  # its first request names the object (a missing bucket, credentials: exit 2)
     local = local_cache(cache_dir)
     local.mkdir(parents=True, exist_ok=True)
     stem = cache_stem(corpus, seq_len, tok, chat_options(tok, kwargs.get("chat"))[0])

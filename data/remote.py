@@ -73,8 +73,7 @@ def resolve(spec: str, what: str, error) -> tuple[str, tuple[RemoteFile, ...]]:
     """(label, files) of the corpus `spec` (an s3:// URL) names; `error(message)` (DataError) when it
     names nothing, or an object that is not .jsonl / .jsonl.gz. One HEAD or one LIST."""
     bucket, key = parse(spec, what)
-    store = store_of(bucket)
-    store.check()
+    store = store_of(bucket)  # its first request names the object (a missing bucket, credentials: exit 2)
     label = f"s3://{bucket}/{key}"
     if any(c in key for c in "*?["):
         start = key[:min(key.find(c) for c in "*?[" if c in key)].rpartition("/")[0]

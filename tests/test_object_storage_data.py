@@ -82,6 +82,7 @@ def test_a_corpus_object_replaced_in_the_store_is_packed_again(both, tmp_path):
     ("s3://runs/no-such-prefix/corpus.jsonl", "data.path: corpus s3://runs/no-such-prefix/corpus.jsonl does not exist in the store"),
     ("s3://runs/no-such-prefix/*.jsonl", "data.path=s3://runs/no-such-prefix/*.jsonl: the pattern matches no object in the store"),
     ("s3:///corpus.jsonl", "data.path=s3:///corpus.jsonl: no bucket"),
+    ("s3://no-such-bucket/corpus.jsonl", "bucket 'no-such-bucket' does not exist"),
 ])
 def test_an_s3_data_path_that_names_nothing_is_exit_2_naming_it(s3_server, tiny, tmp_path, monkeypatch, path, says):
     monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "staging"))
@@ -97,7 +98,7 @@ def test_a_store_that_does_not_answer_is_exit_1_naming_the_endpoint_and_the_obje
     proc = launch.run(0, *tiny, f"data.path=s3://{BUCKET}/corpora/web", f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}",
                       expect=1, env={**s3_server.env, "AWS_ENDPOINT_URL": dead, "MINIMIND_S3_ATTEMPTS": "2",
                                      "MINIMIND_STAGING_DIR": str(tmp_path / "staging")})
-    assert f"{dead}: check s3://{BUCKET}/ failed after 2 attempts" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{dead}: HEAD s3://{BUCKET}/corpora/web failed after 2 attempts" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.e2e
