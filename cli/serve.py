@@ -568,7 +568,8 @@ chunks than one per token cost the generation thread less (docs/serving.md, "Sev
 
 class Engine:
     """The model's one worker thread: jobs wait in a queue (at most `queue`), `slots` of them are
-    generated in turn, one id each per turn; a cancelled job is dropped at its next turn."""
+    generated together, one id each per turn from one batch-invariant forward (a new one's prefill
+    alone); a cancelled job is dropped at its next turn."""
 
     def __init__(self, model, tok, slots: int, queue: int, every: float = STREAM_EVERY_S) -> None:
         self.model, self.tok, self.slots, self.queue, self.every = model, tok, slots, queue, every
@@ -608,7 +609,7 @@ class Engine:
                     "served": self.served, "cancelled": self.cancelled}
 
     def _run(self) -> None:
-        from model.generate import Generation
+        from model.generate import Generation, step_together
 
         while True:
             with self.cond:
@@ -619,6 +620,7 @@ class Engine:
                 while self.waiting and len(self.active) < self.slots:
                     self.active.append(self.waiting.popleft())
                 turn = list(self.active)
+            live = []
             for job in turn:
                 r = job.req
                 try:
@@ -630,8 +632,18 @@ class Engine:
                                              r.repetition_penalty, self.tok.eos, True, r.seed if job.seed is None else job.seed,
                                              keep_prompt_logits=r.echo and r.logprobs is not None)
                         job.text = TextStream(self.tok, r.stop)
-                    nxt = job.gen.step()
-                    if r.logprobs is not None:
+                    live.append(job)
+                except Exception as e:  # noqa: BLE001 - one request's failure ends it, not the server
+                    self._fail(job, e)
+            try:  # every slot's next id from one forward (model/decode.py: each row the bits it gets alone)
+                drawn = step_together([job.gen for job in live])
+            except Exception as e:  # noqa: BLE001
+                for job in live:
+                    self._fail(job, e)
+                continue
+            for job, nxt in zip(live, drawn):
+                try:
+                    if job.req.logprobs is not None:
                         job.score()
                     if nxt is not None:
                         piece, stopped = job.text.add(nxt)
@@ -642,10 +654,14 @@ class Engine:
                     if job.gen.done:
                         job.send(job.text.finish(), time.perf_counter(), self.every)
                         self._end(job, job.gen.finish)
-                except Exception as e:  # noqa: BLE001 - one request's failure ends it, not the server
-                    log.exception("serve: a request failed")
-                    job.emit(("error", f"{type(e).__name__}: {e}"))
-                    self._end(job, None)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(job, e)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        log.error("serve: a request failed: %s: %s", type(e).__name__, e)
+        job.emit(("error", f"{type(e).__name__}: {e}"))
+        if job in self.active:
+            self._end(job, None)
 
     def _end(self, job: Job, finish: str | None) -> None:
         with self.cond:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode import decode
 from .model import KVCache, MiniMindLM
 
 
@@ -74,9 +75,9 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
 class Generation:
     """One sequence generated an id at a time: `prompt`, then each `step()` appends the next id
     (None once `eos` came, which is not appended, or `max_new_tokens` are out). `generate_ids` runs
-    one to its end; the server (cli/serve.py) steps several in turn, each with its own KV cache and
-    generator, so a reply's ids do not depend on the company it is generated in. Under inference
-    mode: no autograd graph is kept, whatever the caller's mode."""
+    one to its end; the server (cli/serve.py) steps several together (step_together): their decode
+    steps in one batch-invariant forward (model/decode.py), so a reply's ids do not depend on the
+    company it is generated in. Under inference mode: no autograd graph is kept, whatever the caller's mode."""
 
     @torch.inference_mode()
     def __init__(self, model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
@@ -101,7 +102,7 @@ class Generation:
         self.generator = torch.Generator().manual_seed(seed)
         self.ids = list(prompt)
         self.cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
-        self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)
+        self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)  # the prefill's
         self.done = max_new_tokens == 0
         self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)
         self.keep_prompt_logits, self.prompt_logits = keep_prompt_logits, None  # the prompt's own (L-1, vocab) logits, once computed
@@ -109,18 +110,26 @@ class Generation:
 
     @torch.inference_mode()
     def step(self) -> int | None:
-        """The next id, appended to `ids`; None when the sequence has ended (EOS or the limit)."""
+        """The next id, appended to `ids`; None when the sequence has ended (EOS or the limit). The
+        sequence alone: its prompt's forward (the prefill) first, then model.decode.decode over a batch
+        of one, the very arithmetic it gets in a batch (step_together)."""
         self.last_id = None
         if self.done:
             return None
-        s, model = self.sampling, self.model
+        if self.use_cache and self.cache.length:
+            return self.take(decode(self.model, [self.ids[-1]], [self.cache])[0])
         if self.use_cache:
-            logits, _ = model(self.next_input, cache=self.cache)
+            logits, _ = self.model(self.next_input, cache=self.cache)
         else:
-            logits, _ = model(torch.tensor([self.ids], dtype=torch.long, device=self.device))
+            logits, _ = self.model(torch.tensor([self.ids], dtype=torch.long, device=self.device))
         if self.keep_prompt_logits and self.prompt_logits is None:
             self.prompt_logits = logits[0, :len(self.ids) - 1] if self.use_cache else logits[0, :-1]
-        self.last_logits = logits[0, -1].float()
+        return self.take(logits[0, -1])
+
+    def take(self, logits: torch.Tensor) -> int | None:
+        """Draw the next id from this position's logits (1-D) with this sequence's sampling and generator."""
+        s = self.sampling
+        self.last_logits = logits.float()
         nxt = sample(self.last_logits, self.ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, self.generator)
         self.last_id = nxt
         self.left -= 1
@@ -130,8 +139,25 @@ class Generation:
         self.ids.append(nxt)
         self.done = self.left == 0
         self.finish = "length" if self.done else None
-        self.next_input = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
         return nxt
+
+
+@torch.inference_mode()
+def step_together(gens: list[Generation]) -> list[int | None]:
+    """Each sequence's step() as it would be alone, the ones past their prefill decoded in one forward
+    (model.decode: batch-invariant, so each row is the bits it gets alone); a fresh one's prefill runs alone."""
+    out: dict[int, int | None] = {}
+    batch = [k for k, g in enumerate(gens) if not g.done and g.use_cache and g.cache.length]
+    for k, g in enumerate(gens):
+        if k not in batch:
+            out[k] = g.step()
+    if batch:
+        first = gens[batch[0]]
+        rows = decode(first.model, [gens[k].ids[-1] for k in batch], [gens[k].cache for k in batch])
+        for k, row in zip(batch, rows):
+            gens[k].last_id = None
+            out[k] = gens[k].take(row)
+    return [out[k] for k in range(len(gens))]
 
 
 def generate_ids(model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,

@@ -558,6 +558,9 @@ MUTANTS = (
            'r"<tool_call>(.*?)</tool_call>", text) if m.strip().startswith("{")]})\n',
            ("tests/test_serve.py::test_a_reply_is_read_into_content_reasoning_and_tool_calls_as_minimind_s_server_reads_it_with_"
             "trainings_parser",)),
+    Mutant("batch-without-fixed-block", "a reply's bits do not depend on the replies decoded beside it (every linear through a fixed row block)",
+           "model/decode.py", "    pad = -r % ROW_BLOCK\n", "    pad = 0\n",
+           ("tests/test_serve.py::test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way",)),
     Mutant("mix-not-furthest-behind", "a mix's next sample comes from the source furthest behind its share (Megatron's rule)",
            "data/mix.py", "        return errors.index(max(errors))\n", "        return errors.index(min(errors))\n",
            ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),

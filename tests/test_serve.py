@@ -718,3 +718,86 @@ def test_tools_a_tool_turn_and_open_thinking_render_as_transformers_apply_chat_t
 def test_a_malformed_tool_schema_or_tool_field_is_400_naming_it(client, extra, param):
     r = client.post("/v1/chat/completions", json={"messages": ASK, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+# ---------------------------------------------------------------------------------------------- batched decoding
+
+INVARIANCE = r'''
+import json, sys, threading, time
+import torch
+from cli.serve import ChatRequest, Engine, Job
+from data.tokenizer import ByteTokenizer
+from model import MiniMindLM, ModelConfig
+from model.decode import ROW_BLOCK, blocked
+from model.generate import generate_ids
+
+torch.manual_seed(0)
+model = MiniMindLM(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=256, vocab_size=259)).eval()
+tok = ByteTokenizer()
+
+# the linear layers through the fixed block: each row's bits whatever the rows beside it, its place and the threads
+w, x = model.layers[0].feed_forward.w1, torch.randn(1, 64)
+plain, block = set(), set()
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for n in range(1, 2 * ROW_BLOCK + 2):
+        for at in range(n):
+            rows = torch.randn(n, 64)
+            rows[at] = x[0]
+            with torch.no_grad():
+                plain.add(w(rows)[at].numpy().tobytes())
+                block.add(blocked(w, rows)[at].numpy().tobytes())
+torch.set_num_threads(2)
+
+def request(seed, temperature, tokens):
+    return ChatRequest(messages=[], temperature=temperature, top_p=0.95, top_k=0, repetition_penalty=1.1, max_tokens=tokens,
+                       stop=[], seed=seed, stream=True, include_usage=False, logprobs=0)
+
+def serve(target, others, join_after):
+    """The target's ids and log-probabilities, generated among `others` (it joins once they have drawn join_after ids)."""
+    engine = Engine(model, tok, slots=8, queue=16, every=0)
+    seen = [[] for _ in range(len(others) + 1)]
+    jobs = [Job(request(*o[1:]), o[0], seen[k + 1].append) for k, o in enumerate(others)]
+    mine = Job(request(*target[1:]), target[0], seen[0].append)
+    engine.submit(*jobs) if jobs else None
+    engine.start()
+    while jobs and not all(j.gen is not None and len(j.gen.ids) - len(j.prompt) >= join_after for j in jobs
+                           if not (seen[jobs.index(j) + 1] and seen[jobs.index(j) + 1][-1][0] == "end")):
+        time.sleep(0.001)
+    engine.submit(mine)
+    while any(not s or s[-1][0] != "end" for s in seen):
+        time.sleep(0.005)
+    engine.close()
+    return {"ids": mine.gen.ids[len(mine.prompt):], "entries": [[i, lp] for i, lp, _ in mine.entries]}
+
+prompts = [[tok.bos, *t.encode()] for t in ("a", "the second prompt, longer", "3 + 4 =", "Once upon a time there was",
+                                                 "x" * 60, "def f(x):", "日本語のテキスト", "zz")]
+out = {"plain_variants": len(plain), "block_variants": len(block), "cases": []}
+for target in ((prompts[1], 5, 0.0, 40), (prompts[2], 7, 0.9, 40)):
+    alone = serve(target, [], 0)
+    case = {"alone": alone, "generate": generate_ids(model, target[0], 40, target[2], 0, 0.95, 1.1, tok.eos, True, target[1])[len(target[0]):],
+            "among": []}
+    for n, join in ((1, 3), (3, 0), (7, 9)):
+        others = [(prompts[(k + 3) % len(prompts)], 100 + k, 0.8, 20 + 9 * k) for k in range(n)]
+        case["among"].append(serve(target, others, join))
+    out["cases"].append(case)
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.e2e
+def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way():
+    """Batched decoding under MKL's fast default branch (MKL_CBWR=AUTO, where a plain matmul's row changes
+    with the rows beside it): every linear through the fixed row block gives each row the same bits at every
+    batch size, place and thread count, and a greedy and a seeded reply - ids and log-probabilities - are the
+    same alone, beside 1, 3 and 7 others of other lengths, joining mid-way, and from `generate`'s loop."""
+    env = {**ENV, "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(launch.ROOT)}
+    proc = subprocess.run([launch.PY, "-c", INVARIANCE], cwd=launch.ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert out["block_variants"] == 1, out["block_variants"]
+    print("rows' bit patterns of a plain matmul beside other rows:", out["plain_variants"])
+    for case in out["cases"]:
+        assert case["alone"]["ids"] == case["generate"] and len(case["alone"]["ids"]) > 10
+        for among in case["among"]:
+            assert among == case["alone"]  # ids and every log-probability, bit for bit
