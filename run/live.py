@@ -216,8 +216,10 @@ class Live:
             self.sink.lines.update(payload["lines"])
         self.verify(payload, sender)
         self.membership.healed_from, self.heal_s = sender, time.monotonic() - t0
-        log.info("ft: group %d healed from group %d at step %d (state in, verified: identity %s)", self.ft.group, sender,
-                 self.run.train_state.step, payload["identity"][:12])
+        moved = type(self.membership.transport).seconds
+        log.info("ft: group %d healed from group %d at step %d in %.3fs (the transfer %.3fs, load and checks %.3fs; state in, verified: "
+                 "identity %s)", self.ft.group, sender, self.run.train_state.step, moved + self.heal_s, moved, self.heal_s,
+                 payload["identity"][:12])
 
     def verify(self, payload: dict, sender: int) -> None:
         """The model's identity and the optimizer state's hash, here against the sender's."""

@@ -106,10 +106,16 @@ def _safe_transport(timeout: timedelta):
     import urllib.request
 
     class SafeHTTPTransport(HTTPTransport):
+        seconds = 0.0
+        """How long the last transfer took (the fetch and its read)."""
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            t0 = time.monotonic()
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
+                got = _streaming_load(f, weights_only=True)
+            cls.seconds = time.monotonic() - t0
+            return got
 
     return SafeHTTPTransport(timeout=timeout, num_chunks=0)
 
@@ -136,7 +142,8 @@ class Membership:
             timeout=timeout, quorum_timeout=timedelta(seconds=min(cfg.timeout_s, cfg.quorum_timeout_s)),  # one try; quorum() retries connect_timeout=timeout,
             rank=rt.rank, world_size=rt.world_size, store_addr=addr, store_port=port, lighthouse_addr=f"http://{cfg.lighthouse}",
             replica_id=f"group{cfg.group}", hostname=os.environ.get("MINIMIND_FT_HOST") or socket.gethostname(),
-            checkpoint_transport=_safe_transport(timeout), init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
+            checkpoint_transport=(transport := _safe_transport(timeout)), init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
+        self.transport = transport
         self.manager._client = self.client = _Recorder(self.manager._client)
         self.manager.register_state_dict_fn("minimind", load_fn, state_fn)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})

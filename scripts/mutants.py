@@ -736,8 +736,21 @@ MUTANTS = (
            "objectives/tables.py", "    return StoreTableFiles(url) if url else TableFiles(folder)\n", "    return TableFiles(folder)\n",
            ("tests/test_object_storage_data.py::test_dpos_table_lives_beside_the_packed_rows_in_the_store_a_fresh_node_recomputes_nothing_"
             "and_a_damaged_chunk_is_computed_again",)),
+    Mutant("ft-micro-batch-by-rank", "under live recovery micro-batch i of step s goes to a participant by a pure function of (s, i, participants) (I34)",
+           "runtime/ft.py", "        self.mine = self.share[self.group][self.rt.rank :: self.rt.world_size]\n",
+           "        self.mine = [j * len(participants) + self.rt.rank for j in range(len(self.share[self.group]))]\n",
+           ("tests/test_ft.py::test_shrink_the_writer_group_sigkilled_for_good_the_two_others_end_bit_identical_to_one_process",)),
+    Mutant("ft-divided-by-participants", "the groups' gradient sum is divided by the micro-batches of the step, never by the participants (I34)",
+           "runtime/ft.py", "        total /= self.m\n", "        total /= len(self.participants)\n",
+           ("tests/test_ft.py::test_shrink_the_writer_group_sigkilled_for_good_the_two_others_end_bit_identical_to_one_process",)),
+    Mutant("ft-heal-without-cursor", "a healed group takes the data cursor from its peer and reads the step's batch after the heal (I34)",
+           "run/live.py", "            obj.load_state_dict(payload[\"states\"][name])\n",
+           "            obj.load_state_dict(payload[\"states\"][name]) if name != \"train\" else None\n",
+           ("tests/test_ft.py::test_heal_a_group_sigkilled_and_relaunched_heals_from_a_live_peer_and_ends_bit_identical",)),
+    Mutant("ft-heal-identity-unchecked", "a healed group checks the model's identity and the optimizer state's hash against the sender's (I34)",
+           "run/live.py", "        self.verify(payload, sender)\n", "        pass\n",
+           ("tests/test_ft.py::test_a_heal_whose_weights_do_not_arrive_as_sent_is_refused_naming_the_identity",)),
 )
-
 
 def copy_repository(dest: Path) -> None:
     """The files git would commit (tracked, and untracked but not ignored); ../shared beside it."""
