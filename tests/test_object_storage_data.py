@@ -19,6 +19,7 @@ import pytest
 import launch
 from common.store import store_of
 from conftest import WORDS
+from test_distill import made  # noqa: F401  (the teacher and the chats: a module fixture)
 
 BUCKET = "runs"
 
@@ -206,3 +207,24 @@ def test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_d
         got, _ = pack(resolve_source(url, tmp_path), 32, cache)
     assert f"s3://{BUCKET}/{key}: its bytes hash to" in caplog.text and "packed again" in caplog.text and "packed s3://" in caplog.text
     assert got.read_bytes() == want.read_bytes() == store.get(key)[0]  # the corpus's own packing, put back
+
+
+@pytest.mark.e2e
+def test_distillations_teacher_table_in_the_store_is_read_verified_by_a_fresh_node_that_computes_no_row(s3_server, made, tmp_path,
+                                                                                                          monkeypatch):
+    """The teacher's top-k table beside the packed rows in the store, as DPO's: a fresh node reads it
+    and ends on the bits of the run that computed it."""
+    from test_distill import base, figures
+
+    cache = f"s3://{BUCKET}/distill-{uuid.uuid4().hex[:8]}/cache"
+    args = [*[a for a in base(made) if not a.startswith("data.cache_dir=")], f"data.cache_dir={cache}", "train.distill.top_k=8"]
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node1"))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'a'}")
+    assert code == 0 and "rows computed" in err, err[-3000:]
+    prefix = cache.removeprefix(f"s3://{BUCKET}/") + "/"
+    assert any(".teacher-" in k and k.endswith(".safetensors") for k in store_of(BUCKET).list(prefix))
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node2"))
+    code, err = launch.in_process(*args, f"out_dir={tmp_path / 'b'}")
+    assert code == 0 and "rows computed" not in err and "rows the run reads verified" in err, err[-3000:]
+    assert figures(tmp_path / "b") == figures(tmp_path / "a")
+    assert launch.inspect(tmp_path / "b")["model_sha256"] == launch.inspect(tmp_path / "a")["model_sha256"]
