@@ -750,6 +750,10 @@ MUTANTS = (
     Mutant("ft-heal-identity-unchecked", "a healed group checks the model's identity and the optimizer state's hash against the sender's (I34)",
            "run/live.py", "        self.verify(payload, sender)\n", "        pass\n",
            ("tests/test_ft.py::test_a_heal_whose_weights_do_not_arrive_as_sent_is_refused_naming_the_identity",)),
+    Mutant("orpo-nll-over-the-ranks-tokens", "ORPO's NLL is divided by the global batch's chosen tokens, not one rank's (issue 58)",
+           "objectives/orpo.py", "        self.tokens = sum(n for part in rt.all_gather(mine) for n in part.values())\n",
+           "        self.tokens = sum(mine.values())\n",
+           ("tests/test_orpo.py::test_orpo_halted_on_2_processes_and_resumed_on_3_equals_the_one_process_run",)),
 )
 
 def copy_repository(dest: Path) -> None:
