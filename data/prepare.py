@@ -28,7 +28,8 @@ from common.store import is_url, parse, store_of
 
 from . import sources, tokenizer
 from .remote import local_cache
-from .dataset import counts_path, lengths_path, pairs_path, taught_path
+from .dataset import counts_path
+from .formats import builtin, format_of, formats
 from .sources import Corpus, DataError, batches, read_ahead, sha256_file, stat_identity
 
 BUILTIN = "stdlib"
@@ -150,26 +151,9 @@ def resolve_source(path: str, cache_dir: Path, key: str = "data.path") -> Corpus
     """The corpus behind `data.path` (or the `key` given, e.g. data.val_path): a file, a directory
     or a glob (data/sources.py) on a disk or in a store, or a built-in corpus, built when asked for (in
     the staging copy of a cache_dir in a store)."""
-    cache_dir = local_cache(cache_dir)
-    if path == BUILTIN:
-        return Corpus.of_file(build_stdlib_corpus(cache_dir / "stdlib_docstrings.jsonl"))
-    if path == BUILTIN_CHAT:
-        return Corpus.of_file(build_stdlib_chat(cache_dir / "stdlib_chat.jsonl"))
-    if path == BUILTIN_ARITH:
-        from .prompts import build_stdlib_arith
-
-        return Corpus.of_file(build_stdlib_arith(cache_dir / "stdlib_arith.jsonl"))
-    if path in (BUILTIN_AGENT, BUILTIN_AGENT_CHAT):
-        from .agent import build_stdlib_agent, build_stdlib_agent_chat
-
-        if path == BUILTIN_AGENT_CHAT:
-            return Corpus.of_file(build_stdlib_agent_chat(cache_dir / "stdlib_agent_chat.jsonl"))
-        return Corpus.of_file(build_stdlib_agent(cache_dir / "stdlib_agent.jsonl"))
-    if path == BUILTIN_PREFERENCE:
-        from .preference import build_stdlib_preference
-
-        return Corpus.of_file(build_stdlib_preference(build_stdlib_chat(cache_dir / "stdlib_chat.jsonl"),
-                                                      cache_dir / "stdlib_preference.jsonl"))
+    maker = builtin(path)  # a format's own built-in corpus (data/formats)
+    if maker is not None:
+        return Corpus.of_file(maker(local_cache(cache_dir)))
     return sources.resolve(path, key)
 
 
@@ -218,11 +202,9 @@ def cache_stem(corpus: Corpus, seq_len: int, tok, options: dict | None = None) -
 
 
 def side_path(bin_path: Path, chat) -> Path:
-    """The file packing writes beside `bin_path`: token counts (text), taught tokens per row (chat),
-    pairs per row (preference)."""
-    if chat is None:
-        return counts_path(bin_path)
-    return {"preference": pairs_path, "prompts": lengths_path, "agent": lengths_path}.get(chat.kind, taught_path)(bin_path)
+    """The file packing writes beside `bin_path`: its format's (data/formats: token counts for text, taught
+    tokens per row for chat, pairs per row for preference, ...)."""
+    return format_of("text" if chat is None else chat.kind).side(bin_path)
 
 
 def _trusted(record: dict, identity: dict) -> bool:
@@ -366,8 +348,8 @@ def _pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_
     stem = cache_stem(corpus, seq_len, tok, options)
     bin_path, meta_path, side = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json", side_path(cache_dir / f"{stem}.bin", chat)
     dtype = tokenizer.id_dtype(tok.vocab_size + (1 if chat is not None else 0))  # chat targets are stored + 1 (0: none)
-    fields = None
-    row = seq_len + 1 if chat is None else {"preference": 4, "prompts": 1, "agent": 1}.get(chat.kind, 3) * seq_len
+    fmt = format_of("text" if chat is None else chat.kind)
+    row = fmt.planes * seq_len or seq_len + 1
     here = {"tokenizer_source": tok.source} if hasattr(tok, "source") else {}
     if meta_path.exists() and bin_path.exists() and side.exists():
         try:
@@ -396,27 +378,8 @@ def _pack(source: Corpus | Path, seq_len: int, cache_dir: Path, tok=None, batch_
     progress = _Progress(corpus.label, sum(stat_identity(p)["size"] for p in corpus.files), watch=watch)
     try:
         with atomic_file(bin_path, "wb") as out:  # an error or a stop leaves no half-written cache
-            if chat is None:
-                reader = sources.Reader(corpus)
-                stats, side_data = _build_text(reader, tok, seq_len, dtype, out, progress, batch_bytes)
-            elif chat.kind in ("prompts", "agent"):
-                from . import agent, prompts
-
-                reader = sources.Reader(corpus, parse=prompts.parse_prompt if chat.kind == "prompts" else agent.parse_agent)
-                stats, side_data, fields = prompts.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
-            elif chat.kind == "preference":
-                from . import preference
-
-                reader = sources.Reader(corpus, parse=preference.parse_pair)
-                stats, side_data = preference.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
-            else:
-                from . import chat as chats
-
-                reader = sources.Reader(corpus, parse=chats.parse_conversation)
-                stats, side_data = chats.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
-                if stats["num_samples"] == 0:
-                    raise DataError(f"{corpus.label}: no conversation teaches anything ({stats['untaught']} without an "
-                                    f"assistant token, {stats['dropped_long']} dropped as longer than seq_len)")
+            reader = sources.Reader(corpus) if fmt.parse is None else sources.Reader(corpus, parse=fmt.parse)
+            stats, side_data, fields = fmt.build(reader, tok, template, chat, seq_len, dtype, out, progress, batch_bytes)
         checked_ns = time.time_ns()
     finally:
         mb_per_s, seconds = progress.close()
@@ -516,7 +479,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=tokenizer.BYTES, help="bytes (default) or a tokenizer.json, as data.tokenizer")
     parser.add_argument("--seq-len", type=int, required=True, help="model.seq_len of the run")
     parser.add_argument("--cache-dir", default="data/cache", help="data.cache_dir of the run: a folder or s3://BUCKET/PREFIX (default %(default)s)")
-    parser.add_argument("--format", choices=("text", "chat", "preference", "prompts", "agent"), default="text", help="as data.format (default %(default)s)")
+    parser.add_argument("--format", choices=tuple(formats()), default="text", help="as data.format (default %(default)s)")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="chat: as data.loss_on")
     parser.add_argument("--no-pack", action="store_true", help="chat: one padded conversation per row (data.pack=false)")
     parser.add_argument("--drop-long", action="store_true", help="chat: as data.drop_long")
@@ -530,7 +493,7 @@ def _main(argv: list[str] | None = None) -> int:
         raise DataError(f"--seq-len {args.seq_len}: expected a positive number of tokens")
     tok = tokenizer.load(args.tokenizer)
     chat = None
-    if args.format != "text":
+    if format_of(args.format).chat:
         from .chat import ChatOptions
 
         chat = ChatOptions(args.loss_on, not args.no_pack, args.drop_long, args.system_prompt_ratio, args.seed, args.format)

@@ -10,7 +10,8 @@ from common.outcome import BadInput, Failed, RankFailed
 from runtime.board import hand_off
 
 from .chat import ChatOptions
-from .dataset import ChatDataset, PackedDataset, PreferenceDataset, PromptDataset
+from .dataset import PackedDataset
+from .formats import format_of
 from .mix import MixDataset, MixValidation, dropped, parse_mix
 from .prepare import pack, resolve_source
 from .sources import DataError
@@ -58,7 +59,8 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
     any kind fails every rank with the same RankFailed, naming it. `rt` is the run's runtime (rank,
     local_rank, world_size, all_gather, board). Returns the training set, the validation set (or None)
     and the fingerprint."""
-    chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed, cfg.format) if cfg.format != "text" else None
+    fmt = format_of(cfg.format)
+    chat = ChatOptions(cfg.loss_on, cfg.pack, cfg.drop_long, cfg.system_prompt_ratio, seed, cfg.format) if fmt.chat else None
     packer = 0 if cfg.shared_cache else rt.rank - rt.local_rank
     outcomes = hand_off(rt, "pack", packer, lambda progress: _pack(cfg, seq_len, tok, chat, progress), timeout_s, "the packer")
     for r, outcome in outcomes.items():
@@ -68,7 +70,7 @@ def data_of_run(cfg, seq_len: int, seed: int, timeout_s: float, rt, tok) -> tupl
     if "mix" in mine:
         return _mix_of_run(cfg, seq_len, seed, mine)
     held_out, dtype = cfg.val_samples, mine["meta"]["dtype"]
-    kind = PackedDataset if chat is None else {"preference": PreferenceDataset, "prompts": PromptDataset, "agent": PromptDataset}.get(chat.kind, ChatDataset)
+    kind = fmt.dataset
     corpus = kind(Path(mine["bin"]), seq_len, cfg.num_samples, dtype=dtype)
     if held_out >= len(corpus):
         raise DataError(f"data.val_samples={held_out}: the corpus has only {len(corpus)} samples of {seq_len + 1} tokens")
@@ -98,7 +100,7 @@ def _mix_of_run(cfg, seq_len: int, seed: int, mine: dict) -> tuple[MixDataset, P
     metas = [p["meta"] for p in packed.values()]
     dtype = metas[0]["dtype"]
     held, parts, tails = cfg.val_samples, [], []
-    kind = ChatDataset if cfg.format == "chat" else PackedDataset  # every source's rows: text or chat
+    kind = format_of(cfg.format).dataset  # every source's rows: text or chat
     for name, p in sorted(packed.items()):  # data.val_samples: the last N samples of each source, never in a training batch
         n = len(kind(Path(p["bin"]), seq_len, dtype=dtype))
         if held >= n:
@@ -131,6 +133,7 @@ def summary(fingerprint: dict, loss_on: str, entropy: float) -> str:
         return f"{m['prompts']} prompts, {m['tokens']} tokens, the longest {m['max_prompt']}"
     if "taught" not in m:
         return f"unigram entropy of the corpus {entropy:.4f} nats/token (a model that beats it has learnt context)"
-    what = f"{m['pairs']} pairs" if "pairs" in m else f"{m['conversations']} conversations"
+    unit = format_of(m.get("options", {}).get("format", "chat")).unit
+    what = f"{m[unit]} {unit}"
     return (f"{what}, {m['taught']} of {m['tokens']} tokens taught (data.loss_on={loss_on}), "
             f"{100 * m['padding'] / max(1, m['tokens'] + m['padding']):.1f}% of the rows' positions padding")
