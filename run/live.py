@@ -164,6 +164,9 @@ class Live:
         self.code, self.born = code_hashes(), time.time()
         self.sink = getattr(metrics, "sink", None)
         self.writer = False
+        # DCP's state-dict functions, imported and their names mapped now (seconds, the first time), before this group
+        # joins a quorum: not while a peer heals from it, nor in its own heal.
+        run.states["model"].state_dict()
         self.membership = Membership(ft, rt, self.state_dict, self.load_state_dict, run.train_state.step)
         self.reducer = LiveReduce(run.model, rt, run.plan.micro_batches, self.membership, ft.group)
         run.ckpt = LiveCheckpoints(run.ckpt, self)
@@ -210,6 +213,8 @@ class Live:
         t0, sender = time.monotonic(), payload["group"]
         self.same_run(payload["config"], payload["code"], sender, "heal from")
         for name, obj in self.run.states.items():
+            if hasattr(obj, "load_target"):  # a fresh optimizer's state made as Adam's init makes it: not by DCP's zero step
+                obj.load_target()
             obj.load_state_dict(payload["states"][name])
         restore(payload["rng"], self.rt.device)
         if self.sink is not None:
