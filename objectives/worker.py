@@ -6,7 +6,11 @@ another; a stop signal while a call runs kills it too (docs/rl.md, "What user co
 The process is this file run as a script, with the standard library only (no torch: it starts in about 50 ms),
 the trainer's `sys.path` and working directory and the user's permissions. It ignores the stop signals (the
 trainer decides, and kills it) and dies with the trainer (PR_SET_PDEATHSIG, and the end of its socket). A value
-crosses the socket pickled, bit for bit; a tool's result crosses as the text the model reads.
+crosses the socket pickled, bit for bit; a tool's result crosses as the text the model reads. User code can reach
+the socket, so the trainer trusts nothing on it: a reply is read against the call's deadline (a forged length
+waits for bytes that never come: Late), carries the call's number (a stale or foreign one: the process is killed,
+Raised), and a child the user's code forked that returns into the loop exits there without replying. A kill ends
+the process group: what the user's code started goes with it.
 """
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
-from multiprocessing.connection import Connection
+import time
 from pathlib import Path
 
 LOAD_TIMEOUT_S = 300.0
@@ -51,16 +56,17 @@ class Worker:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
+        self.conn: socket.socket | None = None
         self.loaded: list[tuple[str, str]] = []  # (spec, key) by handle
+        self.number = 0  # of the last message sent: its reply carries it
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, process_group=0)
         theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send(("path", list(sys.path)))
+        self.conn = ours
+        _send(self.conn, (0, "path", list(sys.path)))
         for handle, (spec, key) in enumerate(self.loaded):
             if spec:
                 self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
@@ -68,7 +74,10 @@ class Worker:
     def kill(self) -> None:
         """End the process now (SIGKILL), whatever it runs; the next call starts another."""
         if self.proc is not None:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group: the user's code's children too
+            except OSError:
+                self.proc.kill()
             self.proc.wait()
             self.conn.close()
         self.proc = self.conn = None
@@ -76,21 +85,33 @@ class Worker:
     def _ask(self, message: tuple, timeout_s: float):
         if self.proc is None:
             self._start()
+        self.number += 1
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            self.conn.send(message)
-            if not self.conn.poll(timeout_s):
-                self.kill()
-                raise Late
-            return self.conn.recv()
-        except Late:
-            raise
-        except (EOFError, OSError):  # it died (os._exit, a crash, a kill from outside)
-            code = self.proc.wait() if self.proc is not None else None
+            _send(self.conn, (self.number, *message))
+            data = _recv(self.conn, deadline)
+        except TimeoutError:
+            self.kill()
+            raise Late from None
+        except (EOFError, OSError):  # it died (os._exit, a crash, a kill from outside), or closed its end
+            try:
+                code = self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
             self.kill()
             raise Raised("WorkerDied", f"the process running it ended (exit status {code})") from None
         except BaseException:  # a stop signal (run/stop.py Interrupted) while it runs: the call is abandoned
             self.kill()
             raise
+        try:
+            reply = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - bytes that do not unpickle: something else wrote to the socket
+            self.kill()
+            raise Raised("WorkerGarbled", f"its reply did not read back ({type(e).__name__}: {e})") from None
+        if not (isinstance(reply, tuple) and reply and reply[0] == self.number):
+            self.kill()
+            raise Raised("WorkerGarbled", "its reply was not the call's (something else wrote to the socket, or a fork replied)")
+        return reply[1:]
 
     def load(self, spec: str, key: str) -> tuple[Remote, dict]:
         """Import a user's `module:function` in the process: (a callable that calls it there, its record: spec,
@@ -130,6 +151,33 @@ class Remote:
 
 WORKER = Worker()
 """This process's (rank's) worker."""
+
+
+# ---------------------------------------------------------------- the socket: length-prefixed pickles
+def _send(conn: socket.socket, value) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    conn.sendall(struct.pack("!Q", len(data)) + data)
+
+
+def _recv(conn: socket.socket, deadline: float | None) -> bytes:
+    """One message's bytes, read by `deadline` (time.monotonic; None: waits): TimeoutError past it, EOFError at the end."""
+    size = struct.unpack("!Q", _read(conn, 8, deadline))[0]
+    return _read(conn, size, deadline)
+
+
+def _read(conn: socket.socket, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        conn.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
+        try:
+            chunk = conn.recv(min(n - got, 1 << 20))
+        except socket.timeout:
+            raise TimeoutError from None
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------- the worker's side
@@ -185,28 +233,32 @@ def serve(fd: int) -> None:
         pass
     if os.getppid() == 1:
         return
-    conn = Connection(fd)
+    conn, me = socket.socket(fileno=fd), os.getpid()
     functions: dict[int, object] = {}
     while True:
         try:
-            message = conn.recv()
+            number, kind, *message = pickle.loads(_recv(conn, None))
         except (EOFError, OSError):
             return
-        if message[0] == "path":
-            sys.path[:] = message[1]
-        elif message[0] == "load":
-            _, handle, spec, key = message
+        if kind == "path":
+            sys.path[:] = message[0]
+            continue
+        if kind == "load":
+            handle, spec, key = message
             if not spec:
                 continue
             got = _load(spec, key)
-            if got[0] == "bad":
-                conn.send(got)
-            else:
-                functions[handle] = got[0]
-                conn.send(("ok", got[1], got[2]))
+            if got[0] != "bad":
+                functions[handle], got = got[0], ("ok", got[1], got[2])
         else:
-            _, handle, how, args, kwargs = message
-            conn.send(_call(functions[handle], how, args, kwargs))
+            handle, how, args, kwargs = message
+            got = _call(functions[handle], how, args, kwargs)
+        if os.getpid() != me:  # a child the user's code forked, back here: only the worker replies
+            os._exit(0)
+        try:
+            _send(conn, (number, *got))
+        except OSError:  # the user's code closed the socket, or the trainer is gone
+            return
 
 
 if __name__ == "__main__":

@@ -216,6 +216,137 @@ def test_a_users_tool_is_pinned_by_its_file_hash_a_raising_one_reads_the_error_a
 
 
 @pytest.mark.unit
+def test_calculate_math_bounds_math_lcm_at_each_argument_and_a_call_nested_past_the_recursion_limit_is_not_a_call():
+    """Found by review: the bound was checked on math.lcm's result only, so 200 coprime 14,000-bit arguments
+    took 24 s inside the trainer (a built-in has no timeout) and 1,000 minutes; JSON nested past the recursion
+    limit raised RecursionError out of the parse (MiniMind's bare except skips it), a traceback in the trainer
+    and in the server. The alarm below only stops a hang (CPython checks signals inside a long division): it is
+    not a timing."""
+    import signal
+
+    from objectives.tools import ERROR, Toolbox, name_and_args, parse_tool_calls
+
+    class Hung(BaseException):  # not an Exception: the tool's `except Exception` would answer with the error
+        pass
+
+    def hung(*_):
+        raise Hung("math.lcm ran unbounded")
+
+    box = Toolbox(["calculate_math"], 5.0)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        many = "math.lcm(" + ",".join(f"2**14000+{i}" for i in range(1, 2000, 2)) + ")"
+        assert box.run({"name": "calculate_math", "arguments": {"expression": many}}) == (ERROR, False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert box.run({"name": "calculate_math", "arguments": {"expression": "math.lcm(4, 6, 10)"}}) == ('{"result": "60"}', True)
+    deep = "[" * 100_000
+    assert parse_tool_calls(f"<tool_call>{deep}</tool_call><tool_call>{{\"name\": \"a\"}}</tool_call>") == [{"name": "a"}]
+    assert name_and_args({"name": "calculate_math", "arguments": deep}) == ("calculate_math", {})
+    assert box.run({"name": "calculate_math", "arguments": deep}) == ('{"result": "0"}', True)  # MiniMind's default expression
+
+
+SOCKET_TOOLS = '''
+import os
+import subprocess
+import sys
+import time
+
+
+def double(args):
+    return {"value": 2 * args["x"]}
+
+
+def garbles(args):
+    """Writes a length that promises more bytes than ever come to the worker's socket (its descriptor: argv[1])."""
+    os.write(int(sys.argv[1]), b"\\x00\\x00\\x00\\x7fgarbage!")
+    return {"ok": True}
+
+
+def forges(args):
+    """Writes a well-formed reply of its own, numbered as no call is, before the worker's."""
+    import pickle
+    import struct
+
+    data = pickle.dumps((0, "value", ("json", '{"forged": true}')))
+    os.write(int(sys.argv[1]), struct.pack("!Q", len(data)) + data)
+    return {"ok": True}
+
+
+def forks(args):
+    """A child that returns into the worker's loop: only one of the two may reply."""
+    return {"child": os.fork() == 0}
+
+
+def starts_a_child(args):
+    """A child that would outlive the kill at the timeout (it inherits the ignored SIGTERM)."""
+    child = subprocess.Popen(["sleep", "300"])
+    with open(args["pid_file"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(300)
+
+
+def closes(args):
+    os.close(int(sys.argv[1]))
+    return {"ok": True}
+'''
+
+
+@pytest.mark.e2e  # a user's tool runs in the worker process (objectives/worker.py)
+def test_a_tool_that_writes_to_the_workers_socket_forks_or_starts_a_child_is_bounded_answers_its_own_call_and_leaves_nothing(
+        tmp_path, capfd):
+    """Found by review: bytes a tool wrote to the socket hung the trainer forever past the timeout (a length
+    read as 2 GB, waited for); a fork that returned into the worker's loop replied twice and every later call
+    read the call before's result (so did a reply a tool wrote itself); a child the tool started survived the
+    kill; a tool that closed the socket
+    left the worker's traceback on the run's stderr."""
+    import os
+    import signal
+    import time
+
+    from common.outcome import Failed
+    from objectives.tools import ERROR, Toolbox
+
+    class Hung(BaseException):  # not an Exception: the tool's `except Exception` would answer with the error
+        pass
+
+    def hung(*_):
+        raise Hung("the call was not bounded by its timeout")
+
+    module = tmp_path / "socket_tools.py"
+    module.write_text(SOCKET_TOOLS)
+    box = Toolbox([f"{module}:{n}" for n in ("double", "garbles", "forges", "forks", "starts_a_child", "closes")], 1.0)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(Failed, match=r"garbles did not return within train.agent.tool_timeout_s=1 s"):
+            box.run({"name": "garbles", "arguments": {}})
+        assert box.run({"name": "forges", "arguments": {}}) == (ERROR, False)  # the process killed, as one that died
+        assert box.run({"name": "forks", "arguments": {}}) == ('{"child": false}', True)
+        assert [box.run({"name": "double", "arguments": {"x": x}}) for x in (1, 2, 3)] == [
+            ('{"value": 2}', True), ('{"value": 4}', True), ('{"value": 6}', True)]
+        pid_file = tmp_path / "child.pid"
+        with pytest.raises(Failed, match=r"starts_a_child did not return"):
+            box.run({"name": "starts_a_child", "arguments": {"pid_file": str(pid_file)}})
+        child = int(pid_file.read_text())
+        for _ in range(100):  # killed with the worker's group; reaped by init
+            if not Path(f"/proc/{child}").exists():
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the tool's child outlived the kill at the timeout")
+        assert box.run({"name": "closes", "arguments": {}}) == (ERROR, False)
+        assert box.run({"name": "double", "arguments": {"x": 5}}) == ('{"value": 10}', True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.unit
 def test_a_malformed_tool_schema_or_gt_is_refused_naming_the_line(tmp_path):
     from data.agent import parse_agent
     from data.sources import DataError
