@@ -295,8 +295,6 @@ class Config:
              "order, which is what makes who computed what change no bit: set dist.reduce=canonical"),
             (self.dist.strategy != "ddp", f"dist.strategy={self.dist.strategy}", "FSDP inside a group (HSDP) is not built: use "
              "dist.strategy=ddp"),
-            (self.train.objective != "next_token", f"train.objective={self.train.objective}", "its figures and pins are agreed within "
-             "one group only: pretraining and SFT (next_token) are exact under live recovery"),
             (bool(self.model.moe.experts), "model.moe.experts", "the experts' load figures are gathered within one group only"),
             (bool(self.data.mix), "data.mix", "the sources' figures are gathered within one group only"),
             (self.log.tracker != "none", f"log.tracker={self.log.tracker}", "a tracker's run would change hands with the writer group"),

@@ -156,7 +156,7 @@ def validation(model, val, micro: int, samples: int, rt, autocast, sharded: bool
 register(ObjectiveSpec(
     name="next_token", order=0, summary="pretraining on text, SFT on chat", docs="docs/sft.md", formats=("text", "chat"),
     build=lambda c: NextToken(c.dataset, c.micro_batches, c.cfg.data.format == "chat", c.model), classes=(NextToken,),
-    supports=frozenset({"mix", "repack", "eval", "fsdp", "lora"}),
+    supports=frozenset({"mix", "repack", "eval", "fsdp", "lora", "ft"}),
     headline=(("loss", "loss"), ("val_loss", "val_loss")),
     matrix=(MatrixValue("pretrain", "pretrain"), MatrixValue("mix", "mix"), MatrixValue("sft", "sft"),
             MatrixValue("lora", "lora", ("train.lora.rank=4", "train.lora.targets=q_proj,v_proj")))))

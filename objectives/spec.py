@@ -13,7 +13,7 @@ objective is one module that calls `register(ObjectiveSpec(...))` and nothing el
     classes     the classes `build` may return (the protocol test checks each)
     plan        (config) -> (global batch, micro-batch, steps a batch serves) in dataset samples; None: the
                 configured batch in samples, one step each
-    supports    the features it works with (FEATURES: mix, repack, eval, fsdp, lora); another one set is refused,
+    supports    the features it works with (FEATURES: mix, repack, eval, fsdp, lora, ft); another one set is refused,
                 with `why` (feature -> the reason) when the objective has one of its own
     refusals    the other combinations it refuses, as rows: (the keys and values, why, the way on)
     check       its own checks of the train.* tree beyond one key's range (a teacher given, batch multiples)
@@ -94,6 +94,8 @@ FEATURES: dict[str, Feature] = {
     "eval": Feature("eval.interval", SET, "eval.interval (a validation loss and benchmark tasks)"),
     "fsdp": Feature("dist.strategy", "fsdp", "dist.strategy=fsdp"),
     "lora": Feature("train.lora.rank", SET, "train.lora.rank (adapters over a frozen base)"),
+    "ft": Feature("ft.lighthouse", SET, "ft.lighthouse (live recovery: replica groups whose objective agrees every figure, pin and "
+                  "rollout across the groups)"),
 }
 
 

@@ -159,7 +159,7 @@ def test_each_objective_is_exact_under_live_recovery_or_refused_by_name():
     load_config(ROOT / "configs" / "tiny.yaml", base)  # pretraining
     load_config(ROOT / "configs" / "sft_tiny.yaml", base)  # SFT
     for recipe in ("dpo_tiny.yaml", "grpo_tiny.yaml", "ppo_tiny.yaml", "distill_tiny.yaml"):
-        with pytest.raises(ConfigError, match=r"ft.lighthouse with train.objective="):
+        with pytest.raises(ConfigError, match=r"train.objective=\w+ with ft.lighthouse: not supported \(ft.lighthouse \(live recovery"):
             load_config(ROOT / "configs" / recipe, base)
 
 
