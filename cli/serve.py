@@ -2,7 +2,9 @@
 
     POST /v1/chat/completions   messages, temperature, top_p, max_tokens (max_completion_tokens), stop, seed,
                                 stream (server-sent events, `data: [DONE]` last), stream_options.include_usage, n, logprobs
-                                (top_logprobs); top_k and repetition_penalty as extensions; a field left out is `chat`'s default
+                                (top_logprobs), tools (tool_calls and reasoning_content read as MiniMind's server reads them);
+                                top_k, repetition_penalty, open_thinking, chat_template_kwargs as extensions; a field
+                                left out is `chat`'s default
     POST /v1/completions        prompt (a string, strings, ids or lists of ids), the same settings, echo, logprobs
                                 (each id's log-probability and the k likeliest: what lm-evaluation-harness scores by)
     GET  /v1/models             the one model served (/v1/models/{id}: it, or 404)
@@ -11,10 +13,11 @@
 A reply is what `python -m checkpoint chat` gives for the same messages and settings: the conversation
 rendered with the run's own chat template, ids generated with the KV cache under inference mode
 (model.generate.Generation), decoded with the run's tokenizer. One worker thread owns the model:
-requests are queued, and up to `--slots` of them are generated in turn, one id each per turn (so none
-waits for another to finish, and each reply is the one it would be alone: its own cache and
+requests are queued, and up to `--slots` of them are decoded together, every slot's next id from one
+batch-invariant forward (model/decode.py: each reply the bits it gets alone, its own cache and
 generator); past `--queue` waiting requests a request gets 429. A client that goes away frees its
-slot at the next turn. Bad input is HTTP 400 with OpenAI's error body, and the server goes on.
+slot at the next turn. Bad input is HTTP 400 with OpenAI's error body (a body past
+--max-request-bytes 413), and the server goes on.
 FastAPI and uvicorn (requirements-serve.txt), as MiniMind's own scripts/serve_openai_api.py.
 """
 

@@ -801,3 +801,114 @@ def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_leng
         assert case["alone"]["ids"] == case["generate"] and len(case["alone"]["ids"]) > 10
         for among in case["among"]:
             assert among == case["alone"]  # ids and every log-probability, bit for bit
+
+
+# ---------------------------------------------------------------------------------------------- a model that calls tools
+
+CALLS = {"conversations": [  # one tool-use conversation, as the agent recipe's fine-tune teaches them (data/chat.py's fields)
+    {"role": "system", "content": "You help.", "tools": json.dumps(TOOLS)},
+    {"role": "user", "content": "What is 27 + 82?"},
+    {"role": "assistant", "content": "", "tool_calls": json.dumps([{"name": "calculate_math", "arguments": {"expression": "27 + 82"}}])},
+    {"role": "tool", "content": '{"result": "109"}'},  # what calculate_math answers (objectives/tools.py, MiniMind's)
+    {"role": "assistant", "content": "The answer is 109."}]}
+MINIMIND_SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "model.qk_norm=true",
+                  "model.hidden_dim=256", "model.norm_eps=1e-6", "model.seq_len=384"]
+"""MiniMind-3's shape as its server builds it from --hidden_size 64 --num_hidden_layers 2 (8 heads, 4 KV heads,
+FFN ceil(64 pi / 64) * 64, eps 1e-6, q/k norms, MiniMind's tokenizer)."""
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """A MiniMind-shaped run on MiniMind's tokenizer fine-tuned on one tool-use conversation until it calls
+    the calculator for it (150 steps: measured to be enough), and then answers from the tool's result."""
+    out = tmp_path_factory.mktemp("caller")
+    (out / "calls.jsonl").write_text((json.dumps(CALLS, ensure_ascii=False) + "\n") * 64, encoding="utf-8")
+    code, err = launch.in_process(f"data.path={out / 'calls.jsonl'}", "data.format=chat", f"data.tokenizer={MINIMIND_TOKENIZER}",
+                                  f"data.cache_dir={out / 'cache'}", *MINIMIND_SHAPE, "train.steps=150", "train.global_batch=4",
+                                  "train.micro_batch=4", "train.lr=1e-2", "train.warmup_steps=5", "checkpoint.interval=0",
+                                  "log.progress=false", "runtime.threads=2", f"out_dir={out / 'run'}")
+    assert code == 0, err
+    return out / "run"
+
+
+@needs_referee(MINIMIND_TOKENIZER, "MiniMind's tokenizer")
+@pytest.mark.e2e
+def test_the_openai_clients_tool_loop_gets_the_call_runs_the_tool_and_gets_the_answer_streamed_or_not(caller):
+    from openai import OpenAI
+
+    from objectives.tools import Toolbox, name_and_args
+
+    server = Server([launch.PY, "-m", "checkpoint", "serve", str(caller), "--port", "0"])
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "What is 27 + 82?"}]
+        ask = dict(model="run", tools=TOOLS, temperature=0, extra_body={"repetition_penalty": 1.0}, max_tokens=60)
+        reply = client.chat.completions.create(messages=messages, **ask)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "calculate_math"
+        assert json.loads(call.function.arguments) == {"expression": "27 + 82"}
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **ask))
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == [(0, deltas[0].id, "calculate_math",
+                                                                                            call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        result, ok = Toolbox(["calculate_math"], 10.0).run({"name": call.function.name,
+                                                             "arguments": name_and_args({"arguments": call.function.arguments})[1]})
+        assert ok and json.loads(result) == {"result": "109"}
+        messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+        answer = client.chat.completions.create(messages=messages, **ask).choices[0]
+        assert answer.finish_reason == "stop" and answer.message.content == "The answer is 109." and not answer.message.tool_calls
+    finally:
+        server.stop()
+
+
+@needs_referee(MINIMIND_SERVER, "MiniMind's scripts/serve_openai_api.py")
+@needs_referee(MINIMIND_TOKENIZER, "MiniMind's tokenizer")
+@pytest.mark.e2e
+def test_minimind_s_own_server_on_our_export_answers_the_same_greedy_requests_with_the_same_content_reasoning_and_calls(
+        caller, tmp_path):
+    """MiniMind's scripts/serve_openai_api.py, run unmodified from a scratch copy on our MiniMind export (its
+    fp16 model; greedy as its sampler allows: temperature 0.01 under its top_p 0.92 keeps the likeliest id),
+    and ours at temperature 0: the same message (content, reasoning_content, tool calls) and finish reason,
+    for the call and for the answer after the tool's result."""
+    import shutil
+
+    import httpx
+
+    scratch = tmp_path / "minimind"
+    shutil.copytree(MINIMIND_SERVER.parents[1], scratch)
+    (scratch / "out").mkdir()
+    proc = subprocess.run([launch.PY, "-m", "checkpoint", "export", str(caller), "--format", "minimind", "--out",
+                           str(scratch / "out" / "full_sft_64.pth")], cwd=launch.ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs = subprocess.Popen([launch.PY, "serve_openai_api.py", "--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len",
+                               "384", "--device", "cpu"], cwd=scratch / "scripts", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env={**ENV, "PYTHONPATH": ""})
+    launch.STARTED.append(theirs)
+    ours = Server([launch.PY, "-m", "checkpoint", "serve", str(caller), "--port", "0"])
+    try:
+        said = ""
+        while "Uvicorn running" not in said:
+            line = theirs.stderr.readline()
+            assert line, f"MiniMind's server ended (exit {theirs.wait()}):\n{said[-3000:]}"
+            said += line
+        threading.Thread(target=theirs.stderr.read, daemon=True).start()
+        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "What is 27 + 82?"}]
+        for turn in range(2):
+            body = {"model": "minimind", "messages": messages, "tools": TOOLS, "max_tokens": 60, "stream": False}
+            a = httpx.post("http://127.0.0.1:8998/v1/chat/completions", json={**body, "temperature": 0.01}, timeout=300).json()
+            b = httpx.post(f"{ours.url}/v1/chat/completions", json={**body, "temperature": 0, "repetition_penalty": 1.0},
+                           timeout=300).json()
+            (x,), (y,) = a["choices"], b["choices"]
+            mx, my = x["message"], y["message"]
+            assert (mx["content"], mx.get("reasoning_content"), calls_of(mx.get("tool_calls")), x["finish_reason"]) == \
+                   (my["content"], my.get("reasoning_content"), calls_of(my.get("tool_calls")), y["finish_reason"]), (a, b)
+            assert (turn == 0) == bool(my.get("tool_calls"))
+            messages = messages + [my, {"role": "tool", "content": '{"result": "109"}'}]
+    finally:
+        ours.stop()
+        theirs.terminate()
+        theirs.wait(timeout=30)

@@ -20,6 +20,7 @@ from .helpers import ROOT, launch
 
 AIMS = {
     "served stream / generate_ids tokens per second": (">=", 0.9),
+    "8 concurrent streams' total / one stream's tokens per second": (">=", 3.0),
 }
 
 
@@ -43,6 +44,7 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
 
     import httpx
 
+    from model.decode import ROW_BLOCK
     from model.generate import generate_ids
     from objectives.benchmark import evaluate_tasks, read_tasks
     from weights import load_model, load_tokenizer
@@ -74,11 +76,11 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
                 time.sleep(0.1)
         messages = [{"role": "user", "content": "What does os.path.join do?"}]
 
-        def stream(seed: int, http: httpx.Client) -> tuple[float, float, int]:
-            """(seconds to the first token, seconds in all, completion tokens) of one streamed request."""
+        def stream(seed: int, http: httpx.Client) -> tuple[float, float, int, str]:
+            """(seconds to the first token, seconds in all, completion tokens, text) of one streamed request."""
             body = {"messages": messages, "temperature": 0.9, "seed": seed, "max_tokens": new_tokens, "stream": True,
                     "stream_options": {"include_usage": True}}
-            t0, first, tokens = time.perf_counter(), None, 0
+            t0, first, tokens, text = time.perf_counter(), None, 0, []
             with http.stream("POST", url, json=body) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
@@ -86,9 +88,11 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
                     chunk = json.loads(line[6:])
                     if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                         first = time.perf_counter() - t0
+                    if chunk["choices"]:
+                        text.append(chunk["choices"][0]["delta"].get("content") or "")
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-            return first or float("nan"), time.perf_counter() - t0, tokens
+            return first or float("nan"), time.perf_counter() - t0, tokens, "".join(text)
 
         model, tok = load_model(out), load_tokenizer(out)
         from data.chat import template_of
@@ -107,7 +111,7 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
             stream(seed, http)  # warm-up
             single = [stream(seed, http) for _ in range(3)]
         assert n == single[0][2], f"the server generated {single[0][2]} tokens, generate_ids {n}: not the same reply"
-        served_s, gen_s = statistics.median(s for _, s, _ in single), statistics.median(gen)
+        served_s, gen_s = statistics.median(s[1] for s in single), statistics.median(gen)
         results: list = [None] * clients
 
         def client(i: int) -> None:
@@ -121,8 +125,13 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
         for w in workers:
             w.join()
         wall = time.perf_counter() - t0
-        firsts = sorted(f for f, _, _ in results)
-        total = sum(t for _, _, t in results)
+        firsts = sorted(r[0] for r in results)
+        total = sum(r[2] for r in results)
+        with httpx.Client(timeout=600) as http:  # each reply again alone: batched decoding changed none
+            alone = [stream(100 + i, http) for i in range(clients)]
+        same = sum(a[3] == r[3] for a, r in zip(alone, results))
+        one_s = statistics.median(a[2] / a[1] for a in alone)
+        invariant_s, plain_s, rows = decode_price(model, prompt, clients, new_tokens)
         p95 = firsts[min(len(firsts) - 1, math.ceil(0.95 * len(firsts)) - 1)]
         tasks = read_tasks("arith")
         t0 = time.perf_counter()
@@ -139,13 +148,47 @@ def serve_rows(work: Path, new_tokens: int, clients: int = 8) -> list[dict]:
          "detail": f"{n / served_s:.0f} tok/s through HTTP (SSE, the openai chunk format) / {n / gen_s:.0f} tok/s in process "
                    f"(medians of 3; the same ids)"},
         {"row": f"serve, {clients} concurrent streamed requests of up to {new_tokens} tokens, --slots {clients}, 1 thread",
-         "what": "total tokens per second", "value": total / wall,
-         "detail": f"{total} tokens in {wall:.2f} s; time to the first token p50 {statistics.median(firsts) * 1e3:.0f} ms, "
-                   f"p95 {p95 * 1e3:.0f} ms (one token per reply per turn)"},
+         "what": "8 concurrent streams' total / one stream's tokens per second", "value": total / wall / one_s,
+         "aim": "8 concurrent streams' total / one stream's tokens per second",
+         "detail": f"{total} tokens in {wall:.2f} s ({total / wall:.0f} tok/s) against {one_s:.0f} tok/s for one stream alone "
+                   f"(median of the {clients} replies run again alone); {same} of {clients} replies identical to their solo run; "
+                   f"time to the first token p50 {statistics.median(firsts) * 1e3:.0f} ms, p95 {p95 * 1e3:.0f} ms; the machine's load "
+                   f"average {os.getloadavg()[0]:.1f} at the end (other work shares these cores: ratios, not speeds)"},
+        {"row": f"batched decoding, {clients} sequences, tiny shape, 1 thread", "what": "batch-invariant / plain batched decode, "
+         "tokens per second", "value": plain_s / invariant_s,
+         "detail": f"{rows} decode steps of {clients} rows: every linear through the fixed {ROW_BLOCK}-row block "
+                   f"{rows * clients / invariant_s:.0f} tok/s, the same forward with plain matmuls {rows * clients / plain_s:.0f} tok/s "
+                   f"(the price of the invariance)"},
         {"row": f"eval, the built-in arith task ({items} items x 4 choices), tiny shape", "what": "items per second",
          "value": items / eval_s, "detail": f"{items} items in {eval_s:.2f} s ({eval_threads} thread{'s' if eval_threads > 1 else ''}; one forward "
                                                      f"of the 4 choices per item)"},
     ]
+
+
+def decode_price(model, prompt: list[int], rows: int, steps: int) -> tuple[float, float, int]:
+    """Seconds for `steps` decode steps of `rows` sequences through model.decode (each linear on the fixed row
+    block) and through the same forward with plain matmuls (the block off): (invariant, plain, steps)."""
+    from model import KVCache
+    from model import decode as dec
+
+    def timed() -> float:
+        caches = [KVCache(model, 1, len(prompt) + steps + 1) for _ in range(rows)]
+        with torch.inference_mode():
+            for c in caches:
+                model(torch.tensor([prompt]), cache=c)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.decode(model, [5] * rows, caches)
+        return time.perf_counter() - t0
+
+    invariant = min(timed() for _ in range(2))
+    block = dec.blocked
+    dec.blocked = lambda module, x: module(x)
+    try:
+        plain = min(timed() for _ in range(2))
+    finally:
+        dec.blocked = block
+    return invariant, plain, steps
 
 
 @section("serve", order=150, aims=AIMS)
