@@ -24,7 +24,7 @@ from typing import Callable
 from common.outcome import BadInput, Failed
 
 from . import rewards as reward_fns
-from .worker import Late, Remote
+from .worker import Changed, Late, Remote
 
 ERROR = '{"error": "tool not found"}'
 """What the model reads when a tool is unknown, raises or returns nothing (MiniMind's string)."""
@@ -194,6 +194,8 @@ class Toolbox:
             else:  # a built-in: ours, bounded
                 result = fn(args)
                 result = ("empty",) if not result else ("json", json.dumps(result, ensure_ascii=False)[:RESULT_CHARS])
+        except Changed as e:  # not the tool's error: the code the run pinned is gone
+            raise Failed(e.text) from None
         except Late:
             raise Failed(f"train.agent.tools: {name} did not return within train.agent.tool_timeout_s={self.timeout_s:g} s "
                          f"(arguments {json.dumps(args, ensure_ascii=False)[:200]})") from None

@@ -44,6 +44,10 @@ class Raised(Exception):
         self.kind, self.text = kind, text
 
 
+class Changed(Raised):
+    """A restarted process (after a kill) could not load what the run pinned: the file changed or no longer imports."""
+
+
 def described(e: BaseException) -> str:
     """`Type: message` of an exception, the user's own type for one raised in the worker."""
     return f"{e.kind}: {e.text}" if isinstance(e, Raised) else f"{type(e).__name__}: {e}"
@@ -57,7 +61,7 @@ class Worker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.conn: socket.socket | None = None
-        self.loaded: list[tuple[str, str]] = []  # (spec, key) by handle
+        self.loaded: list[tuple[str, str, str | None]] = []  # (spec, key, the file's sha256 at the first load) by handle
         self.number = 0  # of the last message sent: its reply carries it
 
     def _start(self) -> None:
@@ -67,9 +71,14 @@ class Worker:
         theirs.close()
         self.conn = ours
         _send(self.conn, (0, "path", list(sys.path)))
-        for handle, (spec, key) in enumerate(self.loaded):
-            if spec:
-                self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
+        for handle, (spec, key, sha) in enumerate(self.loaded):
+            if spec:  # imported again: the code the run pinned, or the run fails naming it
+                reply = self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
+                if reply[0] != "ok" or reply[2] != sha:
+                    self.kill()
+                    now = reply[1] if reply[0] != "ok" else f"its sha256 is now {str(reply[2])[:16]}..., not {str(sha)[:16]}... as when the run loaded it"
+                    raise Changed("FileChanged", f"{key}: {spec} changed under the run ({now}); its process was started again "
+                                                 f"after a kill and runs only the code the run pinned")
 
     def kill(self) -> None:
         """End the process now (SIGKILL), whatever it runs; the next call starts another."""
@@ -119,15 +128,17 @@ class Worker:
         from common.outcome import BadInput
 
         handle = len(self.loaded)
-        self.loaded.append((spec, key))
         try:
+            if self.proc is None:
+                self._start()
+            self.loaded.append(("", key, None))
             reply = self._ask(("load", handle, spec, key), LOAD_TIMEOUT_S)
         except (Late, Raised) as e:
-            self.loaded.pop()
+            del self.loaded[handle:]
             raise BadInput(f"{key}: {spec} does not import ({'it took longer than ' + str(LOAD_TIMEOUT_S) + ' s' if isinstance(e, Late) else described(e)})") from None
         if reply[0] == "bad":
-            self.loaded[handle] = ("", key)  # nothing to import again
-            raise BadInput(reply[1])
+            raise BadInput(reply[1])  # nothing to import again: its entry stays empty
+        self.loaded[handle] = (spec, key, reply[2])
         return Remote(self, handle, spec), {"spec": spec, "file": reply[1], "sha256": reply[2]}
 
 

@@ -346,6 +346,29 @@ def test_a_tool_that_writes_to_the_workers_socket_forks_or_starts_a_child_is_bou
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.e2e  # a user's tool runs in the worker process (objectives/worker.py)
+def test_a_tool_file_changed_under_the_run_fails_it_at_the_workers_restart_naming_it_instead_of_running_other_code(tmp_path):
+    """Found by review: the process started again after a kill imported the file as it was then, so a tool
+    edited mid-run answered with its new code under the run's pin (a resume refuses that very file), and a file
+    that no longer imported made every later call read the error message, the worker's traceback on stderr."""
+    from common.outcome import Failed
+    from objectives.tools import Toolbox
+
+    module = tmp_path / "changing.py"
+    module.write_text("import time\n\ndef v(args):\n    return {'v': 1}\n\ndef slow(args):\n    time.sleep(30)\n")
+    box = Toolbox([f"{module}:v", f"{module}:slow"], 0.5)
+    assert box.run({"name": "v", "arguments": {}}) == ('{"v": 1}', True)
+    for text, why in (("def v(args):\n    return {'v': 2}\n\ndef slow(args):\n    pass\n", r"its sha256 is now [0-9a-f]{16}\.\.\., not"),
+                      ("raise SystemExit('gone')\n", r"does not import \(SystemExit: gone\)")):
+        with pytest.raises(Failed, match="slow did not return"):
+            box.run({"name": "slow", "arguments": {}})  # its process killed: the next call starts another
+        module.write_text(text)
+        with pytest.raises(Failed, match=rf"train.agent.tools: {module}:v changed under the run \(.*{why}"):
+            box.run({"name": "v", "arguments": {}})
+        module.write_text("import time\n\ndef v(args):\n    return {'v': 1}\n\ndef slow(args):\n    time.sleep(30)\n")
+        assert box.run({"name": "v", "arguments": {}}) == ('{"v": 1}', True)  # the pinned bytes back: it answers again
+
+
 @pytest.mark.unit
 def test_a_malformed_tool_schema_or_gt_is_refused_naming_the_line(tmp_path):
     from data.agent import parse_agent
