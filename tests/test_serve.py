@@ -1,6 +1,8 @@
 """The OpenAI-compatible server (cli/serve.py, docs/serving.md): the official `openai` client gets `chat`'s
-reply, streamed or not; bad input is 400 with OpenAI's error body and the server goes on; replies
-generated in turn are each the reply alone; a full queue is 429; a client that leaves frees its slot."""
+reply, streamed or not; bad input is 400 with OpenAI's error body and the server goes on (413 past the
+size limit); completions with echo and logprobs score as `eval` does through lm-evaluation-harness;
+tools and reasoning as MiniMind's own server gives them; replies decoded together are each the bits
+of the reply alone; a full queue is 429; a client that leaves frees its slot."""
 import json
 import re
 import subprocess
