@@ -778,6 +778,10 @@ MUTANTS = (
            "objectives/orpo.py", "        self.tokens = sum(n for part in rt.all_gather(mine) for n in part.values())\n",
            "        self.tokens = sum(mine.values())\n",
            ("tests/test_orpo.py::test_orpo_halted_on_2_processes_and_resumed_on_3_equals_the_one_process_run",)),
+    Mutant("kto-kl-over-the-micro-batch", "KTO's KL term is the global batch's, not one micro-batch's (TRL's is a device's) (issue 58)",
+           "objectives/kto.py", "        kl = self.kl.to(device)  # the global batch's (prepare)\n",
+           "        kl = torch.tensor(max(self.local[i][0] / self.local[i][1], 0.0)).to(device)\n",
+           ("tests/test_kto.py::test_the_kl_term_and_the_mean_are_the_global_batchs_whatever_the_micro_batch",)),
 )
 
 def copy_repository(dest: Path) -> None:
