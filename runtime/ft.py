@@ -137,19 +137,28 @@ class Membership:
             self._store = torch.distributed.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
             addr, port = os.environ.get("MINIMIND_FT_HOST") or socket.gethostname(), self._store.port
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_groups, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=min(cfg.timeout_s, cfg.quorum_timeout_s)),  # one try; quorum() retries connect_timeout=timeout,
-            rank=rt.rank, world_size=rt.world_size, store_addr=addr, store_port=port, lighthouse_addr=f"http://{cfg.lighthouse}",
-            replica_id=f"group{cfg.group}", hostname=os.environ.get("MINIMIND_FT_HOST") or socket.gethostname(),
-            checkpoint_transport=(transport := _safe_transport(timeout)), init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
-        self.transport = transport
+        try:
+            self.manager = self._manager(Manager, cfg, rt, timeout, addr, port)
+        except RuntimeError as e:  # torchft's server could not reach the Lighthouse (it waited its connect timeout)
+            raise QuorumLost(f"ft: group {cfg.group} cannot reach the Lighthouse at {cfg.lighthouse} "
+                             f"({str(e).splitlines()[0][:200]}); stopped before its first step, resumable") from None
+        self.transport = self.manager._checkpoint_transport
         self.manager._client = self.client = _Recorder(self.manager._client)
         self.manager.register_state_dict_fn("minimind", load_fn, state_fn)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.participants: tuple[int, ...] = ()
         self.healed_from: int | None = None
         self.quorum_id = -1
+
+    def _manager(self, Manager, cfg: FTConfig, rt: Runtime, timeout: timedelta, addr: str, port: int):
+        """torchft's Manager for this process: its server on the group's rank 0, the heal transport read safely; each
+        quorum is one try of at most ft.timeout_s (quorum() retries them up to ft.quorum_timeout_s)."""
+        return Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_groups, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timedelta(seconds=min(cfg.timeout_s, cfg.quorum_timeout_s)), connect_timeout=timeout,
+            rank=rt.rank, world_size=rt.world_size, store_addr=addr, store_port=port, lighthouse_addr=f"http://{cfg.lighthouse}",
+            replica_id=f"group{cfg.group}", hostname=os.environ.get("MINIMIND_FT_HOST") or socket.gethostname(),
+            checkpoint_transport=_safe_transport(timeout), init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
 
     def quorum(self, step: int) -> tuple[int, ...]:
         """The groups taking part in step `step` (this one among them, healed first if it was behind).

@@ -381,6 +381,8 @@ def test_the_lighthouse_gone_for_good_the_groups_stop_with_75_named_and_the_same
                                                                                                       one_process):
     out, args = tmp_path / "run", [*ft_args, "ft.quorum_timeout_s=4"]
     procs = {g: group(lighthouse, out, g, args) for g in range(2)}
+    for g in range(2):
+        in_the_run(out, g)
     wait_step(out, 5)
     lighthouse.stop()
     assert finish(procs) == {0: 75, 1: 75}, log_of(out, 0)[-3000:]
@@ -458,3 +460,42 @@ def test_sft_under_live_recovery_a_group_lost_and_healed_ends_on_the_one_process
     (tmp_path / "g").touch()
     assert finish(procs) == {0: 0, 1: -signal.SIGKILL, "1b": 0}
     assert_equals_one_process(out, ref)
+
+
+def test_the_groups_locks_admit_the_groups_of_one_run_and_refuse_a_run_without_ft_and_the_other_way(tmp_path):
+    """Each group holds `.lock.group<N>`; a second launch of the same group waits then refuses, and a
+    run without ft.* is refused while any group holds the folder (and the other way round)."""
+    from run import folder
+
+    out = tmp_path / "run"
+    hold = [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from run import folder; "
+            "lock = folder.acquire(sys.argv[1], 5, name=sys.argv[2]); print('held', flush=True); time.sleep(60)"]
+    holder = launch.start([*hold, str(out), folder.group_lock(0)], tmp_path / "hold.log")
+    try:
+        launch.wait_for(lambda: "held" in (tmp_path / "hold.log").read_text(), timeout=60, proc=holder)
+        other = folder.acquire(out, 1, name=folder.group_lock(1))  # group 1 of the same run: admitted
+        other.release()
+        with pytest.raises(folder.RunFolderError, match=r"is held by pid"):
+            folder.acquire(out, 0.5, name=folder.group_lock(0))  # group 0 twice
+        with pytest.raises(folder.RunFolderError, match=r"is used by the live-recovery groups holding .lock.group0"):
+            folder.acquire(out, 0.5)  # a run without ft.*
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    plain = launch.start([*hold, str(out), folder.LOCK], tmp_path / "hold2.log")
+    try:
+        launch.wait_for(lambda: "held" in (tmp_path / "hold2.log").read_text(), timeout=60, proc=plain)
+        with pytest.raises(folder.RunFolderError, match=r"is used by a run without ft.lighthouse"):
+            folder.acquire(out, 0.5, name=folder.group_lock(2))
+    finally:
+        plain.kill()
+        plain.wait(timeout=30)
+
+
+def test_a_group_that_cannot_reach_the_lighthouse_at_its_start_stops_with_75_naming_it(tmp_path, ft_args):
+    if not torchft_here():
+        pytest.skip("torchft is not installed")
+    port = free_port()
+    proc = launch.run(0, *ft_args, f"out_dir={tmp_path / 'run'}", f"ft.lighthouse=127.0.0.1:{port}", "ft.timeout_s=2", expect=75)
+    said = proc.stdout + proc.stderr
+    assert f"ft: group 0 cannot reach the Lighthouse at 127.0.0.1:{port}" in said and "Traceback" not in said
