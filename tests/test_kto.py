@@ -200,3 +200,13 @@ def test_kto_halted_on_2_processes_and_resumed_on_3_equals_the_one_process_run(k
     for key in FIGURES:
         assert [r.get(key) for r in got] == [r.get(key) for r in want], key
     assert any(r["kl"] > 0 for r in want), [r["kl"] for r in want]  # the global KL term is in play
+
+
+@pytest.mark.e2e
+def test_the_live_reference_and_the_precomputed_one_give_the_same_bits(kto_run, unpaired, tmp_path):
+    code, err = launch.in_process(*base(unpaired, kto_run / "cache"), "train.kto.precompute=false", f"out_dir={tmp_path / 'live'}")
+    assert code == 0, err
+    launch.assert_identical(tmp_path / "live", kto_run / "one")
+    got, want = launch.metrics(tmp_path / "live"), launch.metrics(kto_run / "one")
+    for key in FIGURES:
+        assert [r.get(key) for r in got] == [r.get(key) for r in want], key
