@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import pickle
@@ -67,7 +68,7 @@ class Worker:
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                     stdin=subprocess.DEVNULL, process_group=0)
+                                     stdin=subprocess.DEVNULL, process_group=0, env=_worker_environment())
         theirs.close()
         self.conn = ours
         _send(self.conn, (0, "path", list(sys.path)))
@@ -113,7 +114,7 @@ class Worker:
             self.kill()
             raise
         try:
-            reply = pickle.loads(data)
+            reply = _loads(data)
         except Exception as e:  # noqa: BLE001 - bytes that do not unpickle: something else wrote to the socket
             self.kill()
             raise Raised("WorkerGarbled", f"its reply did not read back ({type(e).__name__}: {e})") from None
@@ -160,11 +161,36 @@ class Remote:
         return self.call(args, kwargs, None)
 
 
+def _worker_environment() -> dict[str, str]:
+    """The trainer's environment without its secrets: user code never sees the checkpoint or server key."""
+    return {k: v for k, v in os.environ.items() if k not in SECRETS}
+
+
+SECRETS = ("MINIMIND_CHECKPOINT_KEY", "MINIMIND_SERVE_API_KEY")
+"""Environment variables the worker is started without (docs/rl.md, "What user code may do")."""
+
 WORKER = Worker()
 """This process's (rank's) worker."""
 
 
 # ---------------------------------------------------------------- the socket: length-prefixed pickles
+_CROSSING = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+             ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"), ("builtins", "complex")}
+"""The globals a reply may name: numpy's scalars and arrays; anything else could run code in the trainer (docs/rl.md)."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _CROSSING:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a value naming {module}.{name} does not cross (plain values and numpy's only)")
+
+
+def _loads(data: bytes):
+    """A message's value, unpickled without running code: only plain values and numpy's scalars and arrays cross."""
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
 def _send(conn: socket.socket, value) -> None:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     conn.sendall(struct.pack("!Q", len(data)) + data)
@@ -220,7 +246,7 @@ def _call(fn, how, args: tuple, kwargs: dict) -> tuple:
     try:
         value = fn(*args, **kwargs)
         if how == "value":
-            pickle.dumps(value)  # what cannot cross is the function's failure, named here
+            _loads(pickle.dumps(value))  # what cannot cross (a global beyond plain values) is the function's failure, named here
             return ("value", value)
         if not value:
             return ("value", ("empty",))
