@@ -160,33 +160,46 @@ def _too_deep(raw: bytes) -> str | None:
     return "body"
 
 
-def _non_finite(value, parts: list) -> str | None:
-    """The path of the first number in `value` that is not finite (Infinity, NaN, 1e999), or None."""
+FINITE = "must be a finite number (Infinity, NaN and numbers past a double's range are not)"
+UTF8 = "must be text that UTF-8 can encode (a lone surrogate such as \\ud800 is not)"
+
+
+def _unfit(value, parts: list) -> tuple[str, str] | None:
+    """The path of the first value in `value` that no reply could use, and what it must be: a number that is
+    not finite (Infinity, NaN, 1e999) or a string (a key too) holding a lone surrogate; None when all fit."""
     if isinstance(value, float) and not math.isfinite(value):
-        return _path(parts) or "body"
+        return _path(parts) or "body", FINITE
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return _path(parts) or "body", UTF8
+        return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        found = _non_finite(v, [*parts, k])
+        if isinstance(k, str) and _unfit(k, parts):  # the key cannot be named either: its object is
+            return _path(parts) or "body", "must have keys " + UTF8.removeprefix("must be ")
+        found = _unfit(v, [*parts, k])
         if found:
             return found
     return None
 
 
 def read_json(raw: bytes) -> dict:
-    """A request body as a JSON object: nested at most MAX_DEPTH deep and every number finite, else
-    ApiError (400) naming the field."""
+    """A request body as a JSON object: nested at most MAX_DEPTH deep, every number finite and every string
+    UTF-8's, else ApiError (400) naming the field."""
     deep = _too_deep(raw)
     if deep:
         raise ApiError(400, f"{deep} nests objects or lists deeper than {MAX_DEPTH} levels", deep)
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not JSON: {e}") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit for conversion
+        raise ApiError(400, f"the body is not JSON this server reads: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    bad = _non_finite(body, [])
+    bad = _unfit(body, [])
     if bad:
-        raise ApiError(400, f"{bad} must be a finite number (Infinity, NaN and numbers past a double's range are not)", bad)
+        raise ApiError(400, f"{bad[0]} {bad[1]}", bad[0])
     return body
 
 
@@ -1018,9 +1031,11 @@ def run(args) -> int:
     if args.slots < 1 or args.queue < 0:
         raise CommandError(f"--slots must be >= 1 and --queue >= 0, got {args.slots} and {args.queue}")
     api_key = api_key_of(args)
+    from checkpoint import storage
     from weights import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(args.path, fp32=args.fp32)
+    folder = storage.find_checkpoint(args.path)[0]  # found (and named) once: the model, tokenizer and parser of one step
+    model, tok = load_model_and_tokenizer(folder, fp32=args.fp32)
     from data.chat import template_of
 
     template_of(tok)  # a tokenizer without a chat template: said now, not at the first request
@@ -1038,6 +1053,6 @@ def run(args) -> int:
     print(f"serve: {name} ({model.num_parameters():,} parameters, context {model.cfg.seq_len}) at http://{where}:{port}/v1 "
           f"({args.slots} slots, queue {args.queue}{', API key required' if api_key else ''}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes, tool_parser(args.path))
+    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes, tool_parser(folder))
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0

@@ -105,6 +105,10 @@ def test_a_seed_gives_the_same_sampled_reply_twice_and_another_seed_another(clie
     (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', "repetition_penalty"),
     (b'{"messages": [{"role": "user", "content": "hi", "weight": NaN}]}', "messages[0].weight"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1e999}', "top_p"),
+    # found by review (500 with a traceback): an integer past Python's 4,300-digit conversion limit, lone surrogates
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", None),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"\\udfff": 1}}', "metadata"),
     (b'{"messages": [{"role": "user", "content": "[{"}], "metadata": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
      "metadata.a" + "[0]" * 30),
 ])
