@@ -158,21 +158,27 @@ class DPO:
 
 
 def _precomputed(dpo: DPO, reference, rt, table: tables.TableFiles, needed: np.ndarray, writer: bool, agree) -> np.ndarray:
-    """The reference sums of every row in `needed` (a row not computed is NaN): the verified chunks
+    return reference_table(dpo, PreferenceDataset, reference, rt, table, needed, writer, agree, "train.dpo.precompute")
+
+
+def reference_table(objective, dataset_type, reference, rt, table: tables.TableFiles, needed: np.ndarray, writer: bool, agree,
+                    key: str) -> np.ndarray:
+    """The reference sums of every row in `needed` (a row not computed is NaN) of a pinned-reference objective
+    (DPO, KTO: its `dataset`, `autocast`, `segments`; the rows read as `dataset_type`): the verified chunks
     of the table read, the missing rows computed in chunks, each rank its share, each chunk published
     as it is done by each node's first rank (rank 0 alone with a shared cache): objectives/tables.py."""
-    total = dpo.dataset.start + len(dpo.dataset)
-    rows = PreferenceDataset(dpo.dataset.bin_path, dpo.dataset.seq_len, total, dtype=dpo.dataset.dtype.name)
-    strategy, dtype = dpo.autocast
+    total = objective.dataset.start + len(objective.dataset)
+    rows = dataset_type(objective.dataset.bin_path, objective.dataset.seq_len, total, dtype=objective.dataset.dtype.name)
+    strategy, dtype = objective.autocast
     autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)
 
     def compute(k: int) -> dict[str, np.ndarray]:
         with autocast:
-            return {"logps": reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, dpo.segments).cpu().numpy()}
+            return {"logps": reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, objective.segments).cpu().numpy()}
 
-    empty = {"logps": np.zeros((0, dpo.segments), np.float32)}
-    got = tables.precompute(table, needed, compute, empty, rt, writer, agree, "train.dpo.precompute", ".ref-")
-    have = np.full((total, dpo.segments), np.nan, dtype=np.float32)
+    empty = {"logps": np.zeros((0, objective.segments), np.float32)}
+    got = tables.precompute(table, needed, compute, empty, rt, writer, agree, key, ".ref-")
+    have = np.full((total, objective.segments), np.nan, dtype=np.float32)
     keep = got.rows < total
     have[got.rows[keep]] = got.fields["logps"][keep]
     return have

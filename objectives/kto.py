@@ -34,7 +34,7 @@ from data.formats.unpaired import DESIRABLE, UNDESIRABLE, UnpairedDataset
 from runtime import autocast as runtime_autocast
 
 from . import tables
-from .dpo import reference_logps, segment_logps
+from .dpo import reference_logps, reference_table, segment_logps
 from .reference import pinned_reference
 from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
@@ -176,22 +176,7 @@ class KTO:
 
 
 def _precomputed(kto: KTO, reference, rt, table, needed: np.ndarray, writer: bool, agree) -> np.ndarray:
-    """The reference sums of every row in `needed` (a row not computed is NaN), through objectives/tables.py as DPO's."""
-    total = kto.dataset.start + len(kto.dataset)
-    rows = UnpairedDataset(kto.dataset.bin_path, kto.dataset.seq_len, total, dtype=kto.dataset.dtype.name)
-    strategy, dtype = kto.autocast
-    autocast = nullcontext() if strategy == "fsdp" else runtime_autocast(rt.device, dtype)
-
-    def compute(k: int) -> dict[str, np.ndarray]:
-        with autocast:
-            return {"logps": reference_logps(reference, [t.unsqueeze(0) for t in rows[k]], rt.device, kto.segments).cpu().numpy()}
-
-    empty = {"logps": np.zeros((0, kto.segments), np.float32)}
-    got = tables.precompute(table, needed, compute, empty, rt, writer, agree, "train.kto.precompute", ".ref-")
-    have = np.full((total, kto.segments), np.nan, dtype=np.float32)
-    keep = got.rows < total
-    have[got.rows[keep]] = got.fields["logps"][keep]
-    return have
+    return reference_table(kto, UnpairedDataset, reference, rt, table, needed, writer, agree, "train.kto.precompute")
 
 
 register(ObjectiveSpec(
