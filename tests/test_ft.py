@@ -367,9 +367,11 @@ def test_a_hung_group_is_left_out_after_the_timeout_named_and_the_run_ends_bit_i
 
 def test_the_lighthouse_killed_and_restarted_the_groups_wait_for_it_and_end_bit_identical(tmp_path, lighthouse, ft_args, one_process):
     out = tmp_path / "run"
-    procs = {g: group(lighthouse, out, g, ft_args) for g in range(2)}
+    gate = tmp_path / "gate"  # both groups ask for step 5's quorum only once the Lighthouse is down (a slow step
+    procs = {g: group(lighthouse, out, g, ft_args, env={"FT_GATE": f"5:{gate}"}) for g in range(2)}  # could miss it)
     wait_step(out, 4)
     lighthouse.stop()
+    gate.touch()
     time.sleep(3)
     lighthouse.start()
     assert finish(procs) == {0: 0, 1: 0}, log_of(out, 0)[-3000:]
