@@ -126,10 +126,7 @@ class DPO:
 
     def step_metrics(self, rt) -> dict:
         """The step's rewards (TRL's names): means over the global batch's pairs, summed in micro-batch order."""
-        rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
-        total = [0.0] * len(STATS)
-        for _, row in rows:
-            total = [a + b for a, b in zip(total, row)]
+        total = summed_in_order(rt, self.stats, len(STATS))
         return {name: v / self.pairs for name, v in zip(STATS[1:], total[1:])}
 
     # ---------------------------------------------------------------- the reference
@@ -155,6 +152,15 @@ class DPO:
                      sha[:12], ", verified" if resumed else "",
                      f"precomputed for the {len(needed):,} rows the run reads into {table.name}" if self.cfg.precompute
                      else "live beside the policy")
+
+
+def summed_in_order(rt, stats: list, width: int) -> list[float]:
+    """Every rank's (micro-batch index, figures) rows summed in micro-batch order: the same sums on any world size."""
+    rows = sorted((i, row.tolist()) for part in rt.all_gather(stats) for i, row in part)
+    total = [0.0] * width
+    for _, row in rows:
+        total = [a + b for a, b in zip(total, row)]
+    return total
 
 
 def _precomputed(dpo: DPO, reference, rt, table: tables.TableFiles, needed: np.ndarray, writer: bool, agree) -> np.ndarray:

@@ -34,7 +34,7 @@ from data.formats.unpaired import DESIRABLE, UNDESIRABLE, UnpairedDataset
 from runtime import autocast as runtime_autocast
 
 from . import tables
-from .dpo import reference_logps, reference_table, segment_logps
+from .dpo import reference_logps, reference_table, segment_logps, summed_in_order
 from .reference import pinned_reference
 from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
@@ -141,10 +141,7 @@ class KTO:
 
     def step_metrics(self, rt) -> dict:
         """TRL's figures over the global batch (the desirable's means over the desirable examples, ...), in micro-batch order."""
-        rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
-        total = [0.0] * len(STATS)
-        for _, row in rows:
-            total = [a + b for a, b in zip(total, row)]
+        total = summed_in_order(rt, self.stats, len(STATS))
         t = dict(zip(STATS, total))
         out = {"kl": float(self.kl)}
         for side in ("chosen", "rejected"):

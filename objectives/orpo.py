@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from data.chat import IGNORE
 
+from .dpo import summed_in_order
 from .spec import ALL, MatrixValue, ObjectiveSpec, register
 
 log = logging.getLogger("minimind")
@@ -119,10 +120,7 @@ class ORPO:
 
     def step_metrics(self, rt) -> dict:
         """TRL's figures: means over the global batch's pairs (the NLL over its chosen tokens), summed in micro-batch order."""
-        rows = sorted((i, row.tolist()) for part in rt.all_gather(self.stats) for i, row in part)
-        total = [0.0] * len(STATS)
-        for _, row in rows:
-            total = [a + b for a, b in zip(total, row)]
+        total = summed_in_order(rt, self.stats, len(STATS))
         t = dict(zip(STATS, total))
         return {"nll_loss": t["nll_sum"] / max(self.tokens, 1), **{k: t[k] / self.pairs for k in STATS[2:]}}
 
