@@ -39,6 +39,7 @@ from model import MiniMindLM
 from model.lora import attach
 from objectives import Objective, lr_at, make_objective, make_optimizer, make_plan, optimizer_step, validation
 from objectives.benchmark import TaskScores
+from objectives.worker import WORKER
 from run import folder, tracking
 from run.live import Live, LiveMetrics
 from run.metrics import Metrics, truncate
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 runtime.teardown(rt, clean)
             if lock:
                 lock.release()
+            WORKER.close()  # the user code this run pinned ends with it (objectives/worker.py)
             stop.restore()
     return exit_code(outcome)
 

@@ -183,7 +183,4 @@ register(ObjectiveSpec(
     sections={"kto": KTOConfig}, reads={"kto": ALL}, supports=frozenset({"lora"}),
     pins=("the reference's identity (the manifest's reference)", "train.kto.precompute's table beside the packed rows, keyed by it"),
     headline=(("loss", "loss"), ("kl", "kl")),
-    # the matrix has no unpaired corpus of its own: the built-in one (rows of 512: an example and its KL sequence);
-    # the preference corpus's train.dpo.beta back to its default, which KTO does not read
-    matrix=(MatrixValue("kto", "dpo", ("train.objective=kto", "data.format=unpaired", "data.path=stdlib-unpaired",
-                                       "model.seq_len=512", "train.dpo.beta=0.1")),)))
+    matrix=(MatrixValue("kto", "kto"),)))

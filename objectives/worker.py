@@ -64,6 +64,14 @@ class Worker:
         self.conn: socket.socket | None = None
         self.loaded: list[tuple[str, str, str | None]] = []  # (spec, key, the file's sha256 at the first load) by handle
         self.number = 0  # of the last message sent: its reply carries it
+        self.run = 0  # counts close(): a handle of an ended run is not called
+
+    def close(self) -> None:
+        """The run ended: the process ends and what it pinned is forgotten (a next run in this interpreter, a
+        notebook's or a test's, loads and pins its own code)."""
+        self.kill()
+        self.loaded.clear()
+        self.run += 1
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
@@ -140,18 +148,20 @@ class Worker:
         if reply[0] == "bad":
             raise BadInput(reply[1])  # nothing to import again: its entry stays empty
         self.loaded[handle] = (spec, key, reply[2])
-        return Remote(self, handle, spec), {"spec": spec, "file": reply[1], "sha256": reply[2]}
+        return Remote(self, handle, spec, self.run), {"spec": spec, "file": reply[1], "sha256": reply[2]}
 
 
 class Remote:
     """A user's function in the worker: `call(args, kwargs, timeout_s, how)`; called plainly, unbounded."""
 
-    def __init__(self, worker: Worker, handle: int, spec: str) -> None:
-        self.worker, self.handle, self.spec = worker, handle, spec
+    def __init__(self, worker: Worker, handle: int, spec: str, run: int) -> None:
+        self.worker, self.handle, self.spec, self.run = worker, handle, spec, run
 
     def call(self, args: tuple, kwargs: dict, timeout_s: float, how: str | int = "value"):
         """Its value (`how`="value"), or for a tool (`how`: the result's length cut) ("empty",) / ("json", text) /
         ("notjson", type name). Late at the timeout (the process killed); Raised when it raised."""
+        if self.run != self.worker.run:
+            raise RuntimeError(f"{self.spec} was loaded by a run that has ended (objectives/worker.py Worker.close)")
         reply = self.worker._ask(("call", self.handle, how, args, kwargs), timeout_s)
         if reply[0] == "raised":
             raise Raised(reply[1], reply[2])

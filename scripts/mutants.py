@@ -316,6 +316,9 @@ MUTANTS = (
            "    import importlib.util as u\n    s = u.spec_from_file_location('m', spec.rpartition(':')[0])\n    m = u.module_from_spec(s)\n"
            "    s.loader.exec_module(m)\n    return getattr(m, spec.rpartition(':')[2]), {'spec': spec}\n",
            ("tests/test_agent.py::test_a_tool_that_hangs_inside_c_is_killed_at_its_timeout_and_the_run_exits_1_naming_it",)),
+    Mutant("worker-pins-outlive-the-run", "the user code a run pinned ends with the run: a later run in the same interpreter pins its own",
+           "train.py", "            WORKER.close()  # the user code this run pinned ends with it (objectives/worker.py)\n", "",
+           ("tests/test_grpo.py::test_a_run_in_the_same_interpreter_pins_only_its_own_code_not_an_ended_runs",)),
     Mutant("user-code-not-killed-at-timeout", "user code past its timeout is killed in its worker process, a hang inside C too",
            "objectives/worker.py", "        except TimeoutError:\n            self.kill()\n", "        except TimeoutError:\n",
            ("tests/test_grpo.py::test_a_reward_call_is_killed_at_its_timeout_even_inside_c_or_catching_every_exception_and_the_next_call_answers",)),

@@ -95,6 +95,17 @@ def matplotlib_ready():
 
 
 @pytest.fixture(autouse=True)
+def no_user_code_outlives_its_test():
+    """User code a test loaded without a run (objectives.rewards.load) ends with the test, as a run's ends
+    with the run (objectives/worker.py Worker.close): a later test's worker pins only its own files."""
+    import sys
+
+    yield
+    if "objectives.worker" in sys.modules:
+        sys.modules["objectives.worker"].WORKER.close()
+
+
+@pytest.fixture(autouse=True)
 def no_launch_outlives_its_test():
     """A test that fails while a launch it started is still running (a timed-out wait) must not leave
     that torchrun and its workers behind for the rest of the session."""

@@ -216,6 +216,26 @@ def test_a_changed_reward_file_is_refused_on_resume_naming_both_hashes(task, tmp
     assert code == 2 and "train.grpo.reward:" in err and "were scored by one of sha256" in err and "Traceback" not in err, err
 
 
+@pytest.mark.e2e
+def test_a_run_in_the_same_interpreter_pins_only_its_own_code_not_an_ended_runs(task, tmp_path):
+    """A run's pinned user code ends with it (objectives/worker.py Worker.close): a first run's reward file
+    edited after it ended does not fail a later run in the same process when that run's worker restarts
+    after a kill (seen in CI: one test's edited file failed every later reward test of its pytest worker)."""
+    import shutil
+
+    from objectives.rewards import load, score
+    from objectives.worker import WORKER
+
+    first = tmp_path / "first.py"
+    shutil.copy(task[1], first)
+    assert launch.in_process(*base((task[0], first), tmp_path / "cache"), f"out_dir={tmp_path / 'run'}", "train.halt_at=1")[0] == 0
+    first.write_text(first.read_text().replace("aeiou", "aeiouy"))
+    reward, _ = load(f"{task[1]}:vowels")
+    WORKER.kill()  # as a reward's timeout does: the next call starts the process again, importing what is pinned
+    assert score(reward, "p", "a cat", {}, 0, "x", timeout_s=60) == score(reward, "p", "a cat", {}, 0, "x", timeout_s=60)
+    WORKER.close()
+
+
 def last_line(stderr: str, rank: int) -> str:
     """The line a rank ends with ("...; exit N"; rank 0's carry no rank prefix)."""
     import re

@@ -18,17 +18,19 @@ CASES = matrix.cases()
 
 
 def _inputs(out: Path, corpus: Path) -> None:
-    """Each objective's corpus, small: text, chats, preference pairs, prompts and a pure reward; and
+    """Each objective's corpus, small: text, chats, preference pairs, unpaired examples, prompts and a pure reward; and
     distillation's teacher, an MoE of twice the width (2 steps on the text)."""
     from test_chat import conversations
     from test_dpo import pairs, write
     from test_agent import AGENT_MODULE, TOOL_SCHEMAS
     from test_grpo import REWARD
+    from test_kto import examples
 
     out.mkdir(parents=True)
     (out / "corpus.txt").write_bytes(corpus.read_bytes())
     write(out / "chats.jsonl", conversations())
     write(out / "dpo.jsonl", pairs(24))
+    write(out / "kto.jsonl", examples(24))
     words = "red blue green cat dog sun moon tree river stone bird fish".split()
     write(out / "prompts.jsonl", [{"prompt": f"Say {w}.", "answer": w} for w in words] * 2)
     (out / "rewards.py").write_text(REWARD)
@@ -51,6 +53,8 @@ def data_overrides(inputs: Path) -> dict[str, list[str]]:
         "lora": [f"data.path={inputs / 'corpus.txt'}", cache, "train.global_batch=12", "train.micro_batch=2"],
         "dpo": [f"data.path={inputs / 'dpo.jsonl'}", "data.format=preference", "train.objective=dpo", cache,
                 "train.global_batch=6", "train.micro_batch=1", "train.dpo.beta=0.2"],
+        "kto": [f"data.path={inputs / 'kto.jsonl'}", "data.format=unpaired", "train.objective=kto", cache,
+                "train.global_batch=6", "train.micro_batch=1"],
         "grpo": [f"data.path={inputs / 'prompts.jsonl'}", "data.format=prompts", "train.objective=grpo", cache,
                  "train.global_batch=12", "train.micro_batch=2", "train.grpo.generations=2", "train.grpo.max_new_tokens=6",
                  f"train.grpo.reward={inputs / 'rewards.py'}:vowels"],
