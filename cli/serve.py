@@ -16,8 +16,9 @@ rendered with the run's own chat template, ids generated with the KV cache under
 requests are queued, and up to `--slots` of them are decoded together, every slot's next id from one
 batch-invariant forward (model/decode.py: each reply the bits it gets alone, its own cache and
 generator); past `--queue` waiting requests a request gets 429. A client that goes away frees its
-slot at the next turn. Bad input is HTTP 400 with OpenAI's error body (a body past
---max-request-bytes 413), and the server goes on.
+slot at the next turn. The run's tool-call parser (a user's: in a worker process) reads replies on a thread of
+its own, off the event loop, each call bounded (ToolParser). Bad input is HTTP 400 with OpenAI's error body
+(a body past --max-request-bytes 413), and the server goes on.
 FastAPI and uvicorn (requirements-serve.txt), as MiniMind's own scripts/serve_openai_api.py.
 """
 
@@ -473,10 +474,11 @@ class ReplyDeltas:
         if self.thinking and len(self.text) > self.sent:
             out.append({"reasoning_content": self.text[self.sent:]})
             return out, None
-        rest = self.text[self.sent:]
-        calls = None
-        if self.parse_calls:
-            rest, _, calls = read_reply(rest, self.parse_calls)
+        rest, calls = self.text[self.sent:], None
+        if self.parse_calls:  # the calls in the whole reply, as read unstreamed (a parser of any format sees all of it)
+            calls = read_reply(self.text, self.parse_calls)[2]
+            if calls:
+                rest = re.sub(r"<tool_call>.*?</tool_call>", "", rest, flags=re.DOTALL).strip()
         if rest:
             out.append({"content": rest})
         if calls:
@@ -691,10 +693,53 @@ class Engine:
                                       "total_tokens": len(job.prompt) + done}))
 
 
+class ToolParser:
+    """The run's tool-call parser as the server calls it: text -> the calls in it, always on one thread of its own,
+    off the event loop (`run`), so a slow parser delays only the replies it reads; a user's (`module:function`) runs
+    in this process's worker (objectives/worker.py, not thread-safe: that thread makes its calls one at a time),
+    each call bounded by `timeout_s`: past it the worker is killed and the request gets 504, a parser that raises or
+    returns no list 500, both naming it (docs/serving.md, "Tools and reasoning")."""
+
+    def __init__(self, fn=None, spec: str = "minimind", timeout_s: float | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from objectives.tools import parse_tool_calls
+
+        self.fn, self.spec, self.timeout_s = fn or parse_tool_calls, spec, timeout_s
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="parser")
+
+    def __call__(self, text: str) -> list:
+        """The calls in `text` (on the parser's thread: through `run`); ApiError 504 / 500 naming the parser."""
+        from objectives.worker import Late, Raised, Remote, described
+
+        if not isinstance(self.fn, Remote):
+            return self.fn(text)
+        try:
+            calls = self.fn.call((text,), {}, self.timeout_s)
+        except Late:
+            raise ApiError(504, f"the run's tool-call parser train.agent.parser={self.spec} did not return within "
+                                f"{self.timeout_s:g} s (the run's train.agent.tool_timeout_s): its process was killed",
+                           type="server_error", code="parser_timeout") from None
+        except Raised as e:
+            raise ApiError(500, f"the run's tool-call parser train.agent.parser={self.spec} raised: {described(e)}",
+                           type="server_error", code="parser_failed") from None
+        if not isinstance(calls, list):
+            raise ApiError(500, f"the run's tool-call parser train.agent.parser={self.spec} returned {type(calls).__name__}: "
+                                f"expected a list of calls", type="server_error", code="parser_failed")
+        return calls
+
+    async def run(self, fn, *args):
+        """fn(*args) - read_reply or a ReplyDeltas' finish, which call this parser - on the parser's thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
 def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, queue: int = 16,
-             max_request_bytes: int = MAX_REQUEST_BYTES, parse_calls=None):
+             max_request_bytes: int = MAX_REQUEST_BYTES, parser: ToolParser | None = None):
     """The FastAPI application over a loaded model and its tokenizer (`name`: the model id it reports;
-    `parse_calls`: text -> the tool calls in it, the run's train.agent.parser; default MiniMind's)."""
+    `parser`: the run's tool-call parser, train.agent.parser, tool_parser; default MiniMind's)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -703,9 +748,7 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
 
     from data.chat import template_of
 
-    from objectives.tools import parse_tool_calls
-
-    parse_calls = parse_calls or parse_tool_calls
+    parser = parser or ToolParser()
     template, seq_len, vocab = template_of(tok), model.cfg.seq_len, model.cfg.vocab_size
     engine = Engine(model, tok, slots, queue)
     created = int(time.time())
@@ -716,6 +759,7 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
         engine.start()
         yield
         engine.close()
+        parser.close()
 
     app = FastAPI(title="minimind-resume", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
@@ -821,31 +865,33 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
         prompt = prompt_ids(tok, template, req, seq_len)
         jobs, events = start(req, [prompt])
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
-        calls = parse_calls if req.tool_choice != "none" else None
+        calls = parser if req.tool_choice != "none" else None
         if req.stream:
             splitters = [ReplyDeltas(req.template_kwargs.get("open_thinking", False), calls) for _ in jobs]
 
-            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> list[dict]:
-                def chunk(delta: dict, finish: str | None = None, entries: list | None = None) -> dict:
-                    return {**head, "object": "chat.completion.chunk", "choices": [
-                        {"index": index, "delta": delta, "finish_reason": finish,
-                         "logprobs": None if entries is None else chat_logprobs(entries)}]}
+            def chunk(index: int, delta: dict, finish: str | None = None, entries: list | None = None) -> dict:
+                return {**head, "object": "chat.completion.chunk", "choices": [
+                    {"index": index, "delta": delta, "finish_reason": finish,
+                     "logprobs": None if entries is None else chat_logprobs(entries)}]}
+
+            def piece(index: int, text: str | None, entries: list | None, first: bool = False) -> list[dict]:
                 if first:
-                    return [chunk({"role": "assistant", "content": ""})]
-                if finish is None:
-                    deltas = splitters[index].add(text or "")
-                    if entries and not deltas:
-                        deltas = [{}]
-                    return [chunk(d, None, entries if k == 0 else None) for k, d in enumerate(deltas)]
-                deltas, found = splitters[index].finish()
-                return [*(chunk(d) for d in deltas), chunk({}, "tool_calls" if found else finish)]
-            return streaming(stream(req, jobs, events, head, piece))
+                    return [chunk(index, {"role": "assistant", "content": ""})]
+                deltas = splitters[index].add(text or "")
+                if entries and not deltas:
+                    deltas = [{}]
+                return [chunk(index, d, None, entries if k == 0 else None) for k, d in enumerate(deltas)]
+
+            async def last(index: int, finish: str) -> list[dict]:  # the calls read on the parser's thread
+                deltas, found = await parser.run(splitters[index].finish) if calls else splitters[index].finish()
+                return [*(chunk(index, d) for d in deltas), chunk(index, {}, "tool_calls" if found else finish)]
+            return streaming(stream(req, jobs, events, head, piece, last))
         ends = await results(request, jobs, events)
         if ends is None:
             return JSONResponse({}, status_code=499)
         choices = []
         for i, (job, (text, finish, _)) in enumerate(zip(jobs, ends)):
-            content, reasoning, found = read_reply(text, calls)
+            content, reasoning, found = await parser.run(read_reply, text, calls) if calls else read_reply(text)
             message = {"role": "assistant", "content": content}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
@@ -863,13 +909,16 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
         jobs, events = start(req, req.prompts)
         head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
         if req.stream:
-            def piece(index: int, text: str | None, finish: str | None, entries: list | None, first: bool = False) -> list[dict]:
+            def piece(index: int, text: str | None, entries: list | None, first: bool = False, finish: str | None = None) -> list[dict]:
                 if first:
                     return []
                 return [{**head, "object": "text_completion", "choices": [
                     {"index": index, "text": text or "", "finish_reason": finish,
                      "logprobs": None if entries is None else legacy_logprobs(entries)}]}]
-            return streaming(stream(req, jobs, events, head, piece))
+
+            async def last(index: int, finish: str) -> list[dict]:
+                return piece(index, None, None, finish=finish)
+            return streaming(stream(req, jobs, events, head, piece, last))
         ends = await results(request, jobs, events)
         if ends is None:
             return JSONResponse({}, status_code=499)
@@ -880,15 +929,16 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
                             "logprobs": None if req.logprobs is None else legacy_logprobs(entries)})
         return {**head, "object": "text_completion", "usage": usage(req, jobs, [e[2] for e in ends]), "choices": choices}
 
-    async def stream(req: ChatRequest, jobs: list[Job], events: asyncio.Queue, head: dict, piece):
-        """Server-sent events: each choice's pieces as they come (`piece` makes the chunk), its end, the usage when
-        asked, `data: [DONE]` last."""
+    async def stream(req: ChatRequest, jobs: list[Job], events: asyncio.Queue, head: dict, piece, last):
+        """Server-sent events: each choice's pieces as they come (`piece` makes the chunks), its end (`last`, awaited:
+        a chat reply's tool calls are read then), the usage when asked, `data: [DONE]` last; an error (the
+        generation's, the parser's) as OpenAI's error body, then `data: [DONE]`."""
         def sse(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
             for index in range(len(jobs)):
-                for body in piece(index, None, None, None, first=True):
+                for body in piece(index, None, None, first=True):
                     yield sse(body)
             sent, echoed, ends, pending = [0] * len(jobs), [not req.echo] * len(jobs), [None] * len(jobs), None
             while any(e is None for e in ends):
@@ -910,10 +960,15 @@ def make_app(model, tok, name: str, api_key: str | None = None, slots: int = 4, 
                     text = tok.decode(job.prompt) + (text or "")
                     entries = None if entries is None else (job.prompt_entries or []) + entries
                 if text is not None or entries:
-                    for body in piece(index, text, None, entries):
+                    for body in piece(index, text, entries):
                         yield sse(body)
                 if event[0] == "end":
-                    for body in piece(index, None, event[1], None):
+                    try:
+                        bodies = await last(index, event[1])
+                    except ApiError as e:  # the parser's 504 or 500: the status went out with the first chunk
+                        yield sse(e.body())
+                        break
+                    for body in bodies:
                         yield sse(body)
                     ends[index] = event[2]
             else:
@@ -986,32 +1041,21 @@ def api_key_of(args) -> str | None:
     return key
 
 
-PARSER_TIMEOUT_S = 10.0
-"""A user's tool-call parser (run in a worker process, as training runs it) that takes longer: the reply has no calls."""
-
-
-def tool_parser(path):
+def tool_parser(path) -> ToolParser:
     """The run's tool-call parser: its train.agent.parser (objectives/agent.py), loaded as training loads it
-    (MiniMind's `<tool_call>{json}</tool_call>` for `minimind`, every run that is not an agent's included)."""
+    (MiniMind's `<tool_call>{json}</tool_call>` for `minimind`, every run that is not an agent's included), bounded
+    by the run's train.agent.tool_timeout_s as training bounds it."""
     from checkpoint import storage
     from objectives import rewards
     from objectives.tools import parse_tool_calls
-    from objectives.worker import Remote
+
+    from objectives.agent import AgentConfig
 
     manifest = storage.find_checkpoint(path)[1]
-    spec = ((manifest.get("config") or {}).get("train") or {}).get("agent", {}).get("parser", "minimind")
+    agent = ((manifest.get("config") or {}).get("train") or {}).get("agent", {})
+    spec = agent.get("parser", "minimind")
     fn, _ = rewards.load(spec, "train.agent.parser", {"minimind": parse_tool_calls})
-    if not isinstance(fn, Remote):
-        return fn
-
-    def remote(text: str) -> list:
-        try:
-            calls = fn.call((text,), {}, PARSER_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - a user's parser that fails reads no calls; the server goes on
-            log.warning("serve: train.agent.parser=%s failed on a reply (%s): no tool calls read", spec, e)
-            return []
-        return calls if isinstance(calls, list) else []
-    return remote
+    return ToolParser(fn, spec, float(agent.get("tool_timeout_s", AgentConfig.tool_timeout_s)))
 
 
 def run(args) -> int:

@@ -591,6 +591,10 @@ MUTANTS = (
            'r"<tool_call>(.*?)</tool_call>", text) if m.strip().startswith("{")]})\n',
            ("tests/test_serve.py::test_a_reply_is_read_into_content_reasoning_and_tool_calls_as_minimind_s_server_reads_it_with_"
             "trainings_parser",)),
+    Mutant("parser-on-the-event-loop", "a slow tool-call parser holds up only the replies it reads (it runs off the server's event loop)",
+           "cli/serve.py", "        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)\n",
+           "        return fn(*args)\n",
+           ("tests/test_serve.py::test_a_parser_sleeping_5_s_on_one_request_holds_no_other_clients_reply",)),
     Mutant("batch-without-fixed-block", "a reply's bits do not depend on the replies decoded beside it (every linear through a fixed row block)",
            "model/decode.py", "    pad = -r % ROW_BLOCK\n", "    pad = 0\n",
            ("tests/test_serve.py::test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way",)),

@@ -918,3 +918,152 @@ def test_minimind_s_own_server_on_our_export_answers_the_same_greedy_requests_wi
         ours.stop()
         theirs.terminate()
         theirs.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- a user's tool-call parser
+
+PARSER_MODULE = '''
+import os, pathlib, time
+
+HERE = pathlib.Path(__file__).parent
+
+
+def said(text):
+    """One call from any reply: the reply's text and this process's id. The file `mode` beside this one makes it
+    sleep 5 s (`slow`, saying when it starts and ends) or hang (`hang`)."""
+    mode = (HERE / "mode").read_text() if (HERE / "mode").exists() else ""
+    if mode == "slow":
+        (HERE / "slow-started").touch()
+        time.sleep(5)
+        (HERE / "slow-ended").touch()
+    elif mode == "hang":
+        (HERE / "hang-started").touch()
+        time.sleep(3600)
+    return [{"name": "said", "arguments": {"text": text, "pid": os.getpid()}}]
+
+
+def reward(prompt, completion, **fields):
+    return float(len(completion))
+'''
+
+
+@pytest.fixture(scope="module")
+def parser_run(tmp_path_factory):
+    """An agent run (GRPO, data.format=agent, one step) whose train.agent.parser is a user's module (calls.py in
+    the folder returned, beside the run)."""
+    root = tmp_path_factory.mktemp("parser")
+    (root / "calls.py").write_text(PARSER_MODULE)
+    data = root / "agent.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "tools": TOOLS, "gt": [str(a + b)]}) + "\n"
+                            for a, b in [(3, 4), (12, 7)]))
+    code, err = launch.in_process(f"data.path={data}", "data.format=agent", "train.objective=grpo", f"data.cache_dir={root / 'cache'}",
+                                  "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=512",
+                                  "train.global_batch=2", "train.micro_batch=2", "train.steps=1", "train.warmup_steps=0",
+                                  "train.grpo.generations=2", "train.grpo.max_new_tokens=4", f"train.grpo.reward={root / 'calls.py'}:reward",
+                                  f"train.agent.parser={root / 'calls.py'}:said", "train.agent.tools=calculate_math",
+                                  "train.agent.max_turns=1", "checkpoint.interval=0", "log.progress=false", "runtime.threads=1",
+                                  f"out_dir={root / 'run'}")
+    assert code == 0, err
+    return root
+
+
+@pytest.fixture
+def user_parser(parser_run):
+    """The agent run served by `python -m checkpoint serve`: (the server, the parser module's folder)."""
+    (parser_run / "mode").write_text("")
+    server = Server([launch.PY, "-m", "checkpoint", "serve", str(parser_run / "run"), "--port", "0"])
+    try:
+        yield server, parser_run
+    finally:
+        server.stop()
+
+
+def asked(tools: bool = True, **extra) -> dict:
+    """A greedy chat request: with TOOLS (read by the parser), or tool_choice none (no parser call)."""
+    return {"model": "run", "messages": ASK, "temperature": 0, "max_tokens": 24, **({"tools": TOOLS} if tools else {"tool_choice": "none"}),
+            **extra}
+
+
+@pytest.mark.e2e
+def test_a_runs_own_parser_reads_the_tool_calls_in_its_worker_process_streamed_or_not(user_parser):
+    """The run's train.agent.parser (a user's module:function) reads the reply in a process of its own: its call
+    comes back as the tool call, streamed (one delta) or not, from the whole reply's text."""
+    from openai import OpenAI
+
+    server, root = user_parser
+    (root / "mode").write_text("")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    plain = client.chat.completions.create(**asked(False))
+    text = plain.choices[0].message.content
+    assert plain.choices[0].finish_reason in ("stop", "length") and text and not plain.choices[0].message.tool_calls
+    reply = client.chat.completions.create(**asked()).choices[0]
+    (call,) = reply.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert reply.finish_reason == "tool_calls" and call.function.name == "said" and args["text"] == text
+    assert args["pid"] not in (server.proc.pid, launch.os.getpid())  # the worker process's, not the server's
+    chunks = list(client.chat.completions.create(**asked(), stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [(0, "said", args)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.e2e
+def test_a_parser_sleeping_5_s_on_one_request_holds_no_other_clients_reply(user_parser):
+    """The parser runs off the server's event loop: while it sleeps on one reply, another client's request (no
+    parser: tool_choice none) is answered, before the parser wakes; then the first gets its calls."""
+    import httpx
+
+    server, root = user_parser
+    (root / "mode").write_text("slow")
+    for marker in ("slow-started", "slow-ended"):
+        (root / marker).unlink(missing_ok=True)
+    order = []
+
+    def slow():
+        order.append(("slow", httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300)))
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    try:
+        launch.wait_for(lambda: (root / "slow-started").exists(), timeout=120)
+        for body in (asked(False), asked(False, stream=True)):
+            other = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+            assert other.status_code == 200 and not (root / "slow-ended").exists()  # answered while the parser sleeps
+            order.append(("other", other))
+    finally:
+        thread.join(timeout=300)
+    assert [who for who, _ in order] == ["other", "other", "slow"]
+    slow_reply = order[-1][1].json()["choices"][0]
+    assert slow_reply["finish_reason"] == "tool_calls" and slow_reply["message"]["tool_calls"][0]["function"]["name"] == "said"
+    (root / "mode").write_text("")
+
+
+@pytest.mark.e2e
+def test_a_parser_that_hangs_past_its_timeout_gets_that_request_a_504_naming_it_and_the_server_goes_on(user_parser):
+    """A parser that never returns: killed at the run's train.agent.tool_timeout_s (10 s); that request gets 504
+    (streamed: the error chunk, then [DONE]) naming the parser, other clients are served meanwhile, and the next
+    reply is read by a new worker process."""
+    import httpx
+
+    server, root = user_parser
+    (root / "mode").write_text("hang")
+    (root / "hang-started").unlink(missing_ok=True)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300)))
+    thread.start()
+    try:
+        launch.wait_for(lambda: (root / "hang-started").exists(), timeout=120)
+        other = httpx.post(f"{server.url}/v1/completions", json={"model": "run", "prompt": "Hello", "max_tokens": 8}, timeout=300)
+        assert other.status_code == 200 and not got  # served while the parser hangs
+    finally:
+        thread.join(timeout=300)
+    (hung,) = got
+    error = hung.json()["error"]
+    assert hung.status_code == 504 and error["code"] == "parser_timeout" and error["type"] == "server_error"
+    assert f"train.agent.parser={root / 'calls.py'}:said" in error["message"] and "10 s" in error["message"]
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json=asked(stream=True), timeout=300)
+    chunks = events(streamed.text.splitlines())
+    assert streamed.status_code == 200 and chunks[-1]["error"]["code"] == "parser_timeout"
+    (root / "mode").write_text("")
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300).json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls" and reply["message"]["tool_calls"][0]["function"]["name"] == "said"
