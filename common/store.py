@@ -439,6 +439,17 @@ def store_of(bucket: str) -> Store:
         return _stores.setdefault(bucket, Store(bucket))
 
 
+def _own_clients_after_fork() -> None:
+    """A forked child (a DataLoader worker reading a cache in the store) makes its own clients: the
+    parent's connections are the parent's."""
+    global _stores_lock
+    _stores.clear()
+    _stores_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_own_clients_after_fork)
+
+
 # ---------------------------------------------------------------------------------------- the lease
 def holder_record() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "launch_id": os.environ.get("MINIMIND_LAUNCH_ID"),

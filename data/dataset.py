@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .chunked import Lazy
 from .sources import DataError
 
 
@@ -46,10 +47,12 @@ class PackedDataset(Dataset):
                             f"{seq_len + 1} tokens ({self.bin_path}); use at most {available}, or 0 for all")
         self.n = (num_samples or available) - start
         self._data: np.ndarray | None = None
+        self._lazy: Lazy | None = None
 
     def _rows(self) -> np.ndarray:
         # Opened lazily so that DataLoader workers each map the file instead of pickling it.
         if self._data is None:
+            self._lazy = Lazy.open(self.bin_path)  # the staging copy of a cache in the store: read a chunk at a time
             with open(self.bin_path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             # Samples are read at random places: without this, each page fault reads the disk's whole
@@ -58,8 +61,25 @@ class PackedDataset(Dataset):
             self._data = np.frombuffer(mapped, dtype=self.dtype).reshape(-1, self.row)
         return self._data
 
+    def _row(self, index: int) -> np.ndarray:
+        """Row `index` as stored (its chunks fetched and verified first, for a cache in the store)."""
+        rows = self._rows()
+        if self._lazy is not None:
+            size = self.row * self.dtype.itemsize
+            self._lazy.ensure((self.start + index) * size, size)
+        return rows[self.start + index]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A micro-batch's samples (the DataLoader's batched fetch): for a cache in the store, the chunks
+        its rows need are fetched at once first."""
+        self._rows()
+        if self._lazy is not None:
+            size = self.row * self.dtype.itemsize
+            self._lazy.ensure_many([((self.start + i) * size, size) for i in indices if 0 <= i < self.n])
+        return [self[i] for i in indices]
+
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_data": None}
+        return {**self.__dict__, "_data": None, "_lazy": None}
 
     def states(self, train_state) -> dict:
         """The dataset's own resume state: none, its position is the train state's (a mix's is its counts: data/mix.py)."""
@@ -71,7 +91,7 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        row = torch.from_numpy(self._rows()[self.start + index].astype(np.int64))
+        row = torch.from_numpy(self._row(index).astype(np.int64))
         return row[:-1], row[1:]
 
 
@@ -101,7 +121,7 @@ class ChatDataset(PackedDataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        x, y, pos = torch.from_numpy(self._rows()[self.start + index].astype(np.int64)).view(3, self.seq_len)
+        x, y, pos = torch.from_numpy(self._row(index).astype(np.int64)).view(3, self.seq_len)
         return x, y - 1 - 99 * (y == 0), pos  # stored + 1, 0 for "not taught": back to -100
 
 
@@ -128,7 +148,7 @@ class PreferenceDataset(ChatDataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        x, y, pos, side = torch.from_numpy(self._rows()[self.start + index].astype(np.int64)).view(4, self.seq_len)
+        x, y, pos, side = torch.from_numpy(self._row(index).astype(np.int64)).view(4, self.seq_len)
         return x, y - 1 - 99 * (y == 0), pos, side
 
 
@@ -167,5 +187,5 @@ class PromptDataset(PackedDataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         if not 0 <= index < self.n:
             raise IndexError(index)
-        row = torch.from_numpy(self._rows()[self.start + index].astype(np.int64))
+        row = torch.from_numpy(self._row(index).astype(np.int64))
         return row, int(self._lengths[self.start + index]), index

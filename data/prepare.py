@@ -26,7 +26,7 @@ import numpy as np
 from common.files import atomic_file, atomic_write, tmp_prefix
 from common.store import is_url, parse, store_of
 
-from . import sources, tokenizer
+from . import chunked, sources, tokenizer
 from .remote import local_cache
 from .dataset import counts_path
 from .formats import builtin, format_of, formats
@@ -296,6 +296,9 @@ def _pack_in_store(corpus: Corpus, seq_len: int, cache_dir: str, tok, **kwargs) 
     if record is not None:
         for name, entry in (record.get("cache_files") or {}).items():
             path = local / name
+            if "chunks" in entry:  # the packed rows: read a chunk at a time as the run reads them, each verified (data/chunked.py)
+                chunked.stage(path, store.url(key(name)), entry)
+                continue
             if _verified_copy(path, entry):
                 continue  # this node's copy is the record's bytes
             if (bad := store.download(key(name), path, entry["sha256"])) is not None:
@@ -307,13 +310,23 @@ def _pack_in_store(corpus: Corpus, seq_len: int, cache_dir: str, tok, **kwargs) 
             fetched += entry["bytes"]
     if record is not None:
         atomic_write(local / f"{stem}.json", json.dumps({k: v for k, v in record.items() if k != "cache_files"}, indent=1))
-    before = {p.name: p.stat().st_mtime_ns for p in local.glob(f"{stem}.*") if p.is_file()}
+    elif chunked.staged(local / f"{stem}.bin"):  # a staging copy with holes, of a cache no longer in the store: never packed over
+        chunked.discard(local / f"{stem}.bin")
+        (local / f"{stem}.json").unlink(missing_ok=True)
+    # A packing writes new files (new inodes); a staging copy's chunks are written in place, by any run on this node.
+    before = {p.name: p.stat().st_ino for p in local.glob(f"{stem}.*") if p.is_file()}
     bin_path, meta = _pack(corpus, seq_len, local, tok, **kwargs)
-    after = {p.name: p.stat().st_mtime_ns for p in local.glob(f"{stem}.*") if p.is_file() and not p.name.endswith(".json")}
+    after = {p.name: p.stat().st_ino for p in local.glob(f"{stem}.*") if p.is_file() and not p.name.endswith(".json")}
     if record is not None and all(before.get(n) == t for n, t in after.items()):
-        log.info("data.cache_dir=%s: %s fetched from the store (%d bytes) and verified; not packed again", cache_dir, stem, fetched)
+        rows = record["cache_files"].get(bin_path.name, {})
+        lazily = (f"; the packed rows ({rows['bytes']} bytes, {len(rows['chunks'])} chunks of {rows['chunk_bytes']}) read a chunk "
+                  f"at a time as the run reads them, each verified") if "chunks" in rows else ""
+        log.info("data.cache_dir=%s: %s fetched from the store (%d bytes) and verified%s; not packed again", cache_dir, stem, fetched,
+                 lazily)
         return bin_path, meta
-    files = {n: {"sha256": sha256_file(local / n), "bytes": (local / n).stat().st_size} for n in sorted(after)}
+    chunked.forget(bin_path)  # packed here: a whole file, no staging copy any more
+    files = {n: chunked.describe(local / n) if n == bin_path.name else {"sha256": sha256_file(local / n), "bytes": (local / n).stat().st_size}
+             for n in sorted(after)}
     for n, entry in files.items():
         store.upload(key(n), local / n, entry["sha256"])
     store.put(key(f"{stem}.json"), json.dumps({**json.loads((local / f"{stem}.json").read_text()), "cache_files": files},
@@ -457,13 +470,18 @@ def unigram_entropy(bin_path: Path, num_tokens: int | None = None, dtype: str = 
     total = Path(bin_path).stat().st_size // dt.itemsize
     num_tokens = total if num_tokens is None else num_tokens
     tokens = np.memmap(bin_path, dtype=dt, mode="r")
+    lazy = chunked.Lazy.open(Path(bin_path))  # the staging copy of a cache in the store: what is read is fetched first
     counts_file = counts_path(Path(bin_path))
     if counts_file.exists() and total - num_tokens < num_tokens:
         counts = np.load(counts_file, allow_pickle=False)
         if num_tokens < total:
+            if lazy is not None:
+                lazy.ensure(num_tokens * dt.itemsize, (total - num_tokens) * dt.itemsize)
             tail = np.bincount(tokens[num_tokens:], minlength=len(counts)).astype(np.uint64)
             counts = counts - tail[: len(counts)]
         return _entropy(counts)
+    if lazy is not None:
+        lazy.ensure(0, num_tokens * dt.itemsize)
     return _entropy(np.bincount(tokens[:num_tokens]))
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .chunked import Lazy
 from .sampler import make_order
 from .sources import DataError
 
@@ -51,9 +52,10 @@ class Repacked(Dataset):
         self.cum = np.r_[0, np.cumsum(spans[:, 1] - spans[:, 0])].astype(np.int64)  # each span's start in the remainder
         self.n = int(self.cum[-1]) // self.row
         self._flat: np.ndarray | None = None
+        self._lazy: Lazy | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_flat": None}
+        return {**self.__dict__, "_flat": None, "_lazy": None}
 
     def states(self, train_state) -> dict:
         return {}
@@ -66,6 +68,7 @@ class Repacked(Dataset):
         if not 0 <= index < self.n:
             raise IndexError(index)
         if self._flat is None:
+            self._lazy = Lazy.open(self.bin_path)  # the staging copy of a cache in the store: read a chunk at a time
             with open(self.bin_path, "rb") as f:
                 self._flat = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype)
         lo, hi = index * self.row, (index + 1) * self.row
@@ -73,6 +76,8 @@ class Repacked(Dataset):
         while lo < hi:
             first = int(self.spans[k, 0]) + lo - int(self.cum[k])
             n = min(hi - lo, int(self.cum[k + 1]) - lo)
+            if self._lazy is not None:
+                self._lazy.ensure(first * self.dtype.itemsize, n * self.dtype.itemsize)
             parts.append(self._flat[first:first + n])
             lo, k = lo + n, k + 1
         return np.concatenate(parts)

@@ -763,8 +763,16 @@ MUTANTS = (
     Mutant("store-cache-fetched-unverified", "a packed file fetched from a cache in the store is used only when its sha256 is the record's (I20, I33)",
            "common/store.py", "                if h.hexdigest() != sha256:\n                    raise _Mismatch\n",
            "                if False:\n                    raise _Mismatch\n",
-           ("tests/test_object_storage_data.py::test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_packed_"
-            "again_and_put_back",)),
+           ("tests/test_object_storage_data.py::test_a_packed_side_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_"
+            "packed_again_and_put_back",)),
+    Mutant("store-chunk-unverified", "a chunk of the packed rows read from the store is used only when its sha256 is the record's (I20, I33)",
+           "data/chunked.py", "                if got != want:\n", "                if False:\n",
+           ("tests/test_object_storage_data.py::test_a_chunk_whose_bytes_changed_in_the_store_is_named_when_a_row_of_it_is_read_and_"
+            "never_used",)),
+    Mutant("store-cache-fetched-whole", "a fresh node reads the packed rows from the store a chunk at a time as it reads rows, not the whole file (I33)",
+           "data/prepare.py", '            if "chunks" in entry:  #', '            if False:  #',
+           ("tests/test_object_storage_data.py::test_a_fresh_nodes_packed_rows_come_from_the_store_a_chunk_at_a_time_as_they_are_read_"
+            "and_equal_a_local_caches",)),
     Mutant("store-cache-ignored", "a fresh node fetches the packed cache from the store: it neither reads the corpus nor packs it again (I20, I33)",
            "data/prepare.py", '    got = store.get(key(f"{stem}.json"))\n', "    got = None\n",
            ("tests/test_object_storage_data.py::test_a_fresh_node_with_the_corpus_and_its_packed_cache_in_the_store_neither_reads_the_"

@@ -189,8 +189,9 @@ def test_dpos_table_lives_beside_the_packed_rows_in_the_store_a_fresh_node_recom
 
 
 @pytest.mark.unit
-def test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_packed_again_and_put_back(both, tmp_path, monkeypatch,
-                                                                                                           caplog):
+def test_a_packed_side_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_packed_again_and_put_back(both, tmp_path,
+                                                                                                                monkeypatch, caplog):
+    from data.dataset import counts_path
     from data.prepare import pack, resolve_source
 
     local, url = both
@@ -198,15 +199,98 @@ def test_a_packed_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_d
     want, _ = pack(resolve_source(str(local), tmp_path), 32, tmp_path / "disk")
     pack(resolve_source(url, tmp_path), 32, cache)
     store, prefix = store_of(BUCKET), cache.removeprefix(f"s3://{BUCKET}/") + "/"
-    (key,) = [k for k in store.list(prefix) if k.endswith(".bin")]
+    (key,) = [k for k in store.list(prefix) if k.endswith(".counts.npy")]
     data = bytearray(store.get(key)[0])
-    data[100] ^= 1
+    data[-5] ^= 1
     store.put(key, bytes(data))
     monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
     with caplog.at_level("INFO", logger="minimind"):
         got, _ = pack(resolve_source(url, tmp_path), 32, cache)
     assert f"s3://{BUCKET}/{key}: its bytes hash to" in caplog.text and "packed again" in caplog.text and "packed s3://" in caplog.text
-    assert got.read_bytes() == want.read_bytes() == store.get(key)[0]  # the corpus's own packing, put back
+    assert counts_path(got).read_bytes() == counts_path(want).read_bytes() == store.get(key)[0]  # the corpus's own packing, put back
+    assert got.read_bytes() == want.read_bytes() and not chunked_record(got).exists()  # a whole file, packed here
+
+
+def chunked_record(bin_path: Path) -> Path:
+    from data.chunked import record_path
+
+    return record_path(bin_path)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Packed files put in the store in chunks of 4 KiB (MINIMIND_CACHE_CHUNK_BYTES, for a launch): the
+    test corpus's 255 KB make 63 of them."""
+    from data import chunked
+
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4096)
+    monkeypatch.setenv("MINIMIND_CACHE_CHUNK_BYTES", "4096")
+    return 4096
+
+
+@pytest.mark.unit
+def test_a_fresh_nodes_packed_rows_come_from_the_store_a_chunk_at_a_time_as_they_are_read_and_equal_a_local_caches(both, tmp_path,
+                                                                                                                small_chunks, monkeypatch):
+    """The staging copy of a packed file in the store is a sparse file: a row read fetches the chunks
+    it touches (ranged GETs, each verified against the record), nothing else; the same rows as the
+    packing on a disk gives; a second reader on the node finds the chunks there and fetches nothing."""
+    from data.dataset import PackedDataset
+    from data.prepare import pack, resolve_source
+
+    local, url = both
+    cache = f"{url.rsplit('/', 1)[0]}/cache"
+    want, _ = pack(resolve_source(str(local), tmp_path), 32, tmp_path / "disk")
+    pack(resolve_source(url, tmp_path), 32, cache)
+    store = store_of(BUCKET)
+    (key,) = [k for k in store.list(cache.removeprefix(f"s3://{BUCKET}/") + "/") if k.endswith(".bin")]
+    size = store.head(key).size
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
+    store.bytes_read.clear()
+    got, meta = pack(resolve_source(url, tmp_path), 32, cache)
+    assert key not in store.bytes_read and got.stat().st_size == size and chunked_record(got).exists()
+    rows, theirs = PackedDataset(got, 32, dtype=meta["dtype"]), PackedDataset(want, 32, dtype=meta["dtype"])
+    picked = [5, 6, 1000, len(rows) - 1]
+    assert all(torch_equal(rows[i], theirs[i]) for i in picked)
+    touched = {(i * 66) // small_chunks for i in picked} | {(i * 66 + 65) // small_chunks for i in picked}
+    assert store.bytes_read[key] == sum(min(small_chunks, size - c * small_chunks) for c in touched) < size / 10
+    assert [len(x) for x in rows.__getitems__([7, 2000, 3000])] == [2, 2, 2]  # a micro-batch's chunks, fetched at once
+    fetched = store.bytes_read[key]
+    again = PackedDataset(got, 32, dtype=meta["dtype"])  # another process on this node: its chunks are on the disk, verified
+    assert all(torch_equal(again[i], theirs[i]) for i in [*picked, 7, 2000, 3000]) and store.bytes_read[key] == fetched
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.unit
+def test_a_chunk_whose_bytes_changed_in_the_store_is_named_when_a_row_of_it_is_read_and_never_used(both, tmp_path, small_chunks,
+                                                                                                  monkeypatch):
+    from data.chunked import ChunkDamaged
+    from data.dataset import PackedDataset
+    from data.prepare import pack, resolve_source
+
+    _, url = both
+    cache = f"{url.rsplit('/', 1)[0]}/cache"
+    pack(resolve_source(url, tmp_path), 32, cache)
+    store = store_of(BUCKET)
+    (key,) = [k for k in store.list(cache.removeprefix(f"s3://{BUCKET}/") + "/") if k.endswith(".bin")]
+    data = bytearray(store.get(key)[0])
+    data[10 * small_chunks + 100] ^= 1  # chunk 10: row 622's bytes
+    store.put(key, bytes(data))
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
+    got, meta = pack(resolve_source(url, tmp_path), 32, cache)
+    rows = PackedDataset(got, 32, dtype=meta["dtype"])
+    rows[0], rows[3000]  # other chunks: read
+    with pytest.raises(ChunkDamaged) as e:
+        rows[(10 * small_chunks + 100) // 66]
+    assert str(e.value).startswith(f"s3://{BUCKET}/{key}: bytes {10 * small_chunks}-{11 * small_chunks - 1} (chunk 10 of ")
+    assert "the packed cache in the store is damaged" in str(e.value)
+    with open(got, "rb") as f:  # nothing of it written into the staging copy
+        f.seek(10 * small_chunks)
+        assert f.read(small_chunks) == bytes(small_chunks)
 
 
 @pytest.mark.e2e
@@ -228,3 +312,77 @@ def test_distillations_teacher_table_in_the_store_is_read_verified_by_a_fresh_no
     assert code == 0 and "rows computed" not in err and "rows the run reads verified" in err, err[-3000:]
     assert figures(tmp_path / "b") == figures(tmp_path / "a")
     assert launch.inspect(tmp_path / "b")["model_sha256"] == launch.inspect(tmp_path / "a")["model_sha256"]
+
+
+@pytest.mark.e2e
+def test_a_fresh_node_resuming_from_the_store_reads_the_chunks_of_the_rows_it_trains_not_the_packed_corpus_and_ends_on_the_same_bits(
+        s3_server, tmp_path, monkeypatch, small_chunks):
+    """Issue 55, item 5's last clause: node 1 packs a corpus of 1.6 MB of packed rows into the cache in the
+    store and halts at step 4 (out_dir in the store); a fresh node (a new HOME, its staging folder
+    empty) resumes and trains steps 5 and 6: of the packed cache it reads the record, the side file
+    and the chunks of the 16 rows it trains, under a tenth of the cache's bytes (the store client's own
+    count), and ends on the bits of the uninterrupted run on a disk. Before it, another fresh node
+    whose first row's chunk was changed in the store exits 1 naming the object and the chunk, having
+    trained nothing on it."""
+    from common.store import RemotePath, staging_root
+
+    prefix = f"lazy-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "web").mkdir()
+    for name, data in corpus_files(random.Random(1), n_files=24).items():
+        (tmp_path / "web" / name).write_bytes(data)
+        store_of(BUCKET).put(f"{prefix}/web/{name}", data)
+    tiny = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32", "train.global_batch=8",
+            "train.micro_batch=2", "train.steps=6", "train.warmup_steps=3", "train.lr=3e-3", "checkpoint.interval=2", "log.progress=false",
+            "runtime.threads=1", "log.sample_ids=true"]
+    code, err = launch.in_process(*tiny, f"data.path={tmp_path / 'web'}", f"data.cache_dir={tmp_path / 'disk-cache'}",
+                                  f"out_dir={tmp_path / 'ref'}")
+    assert code == 0, err[-3000:]
+    cache, out = f"s3://{BUCKET}/{prefix}/cache", f"s3://{BUCKET}/{prefix}/run"
+    run = [*tiny, f"data.path=s3://{BUCKET}/{prefix}/web", f"data.cache_dir={cache}", f"out_dir={out}"]
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node1"))
+    code, err = launch.in_process(*run, "train.halt_at=4")
+    assert code == 0 and "put in the store" in err, err[-3000:]
+    store = store_of(BUCKET)
+    (record_key,) = [k for k in store.list(f"{prefix}/cache/") if k.endswith(".json")]
+    record = json.loads(store.get(record_key)[0])
+    (bin_name,) = [n for n, e in record["cache_files"].items() if "chunks" in e]
+    bin_key, packed = f"{prefix}/cache/{bin_name}", sum(e["bytes"] for e in record["cache_files"].values())
+    assert record["cache_files"][bin_name]["chunk_bytes"] == small_chunks and packed > 1_500_000
+
+    # a damaged chunk: the one holding step 5's first row; a fresh node names it and trains nothing on it
+    row = launch.metrics(tmp_path / "ref")[4]["sample_ids"][0]
+    original = store.get(bin_key)[0]
+    damaged = bytearray(original)
+    damaged[row * 66 + 10] ^= 1
+    store.put(bin_key, bytes(damaged))
+    monkeypatch.delenv("MINIMIND_STAGING_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home3"))
+    code, err = launch.in_process(*run)
+    chunk = (row * 66 + 10) // small_chunks
+    assert code == 1 and f"s3://{BUCKET}/{bin_key}: bytes {chunk * small_chunks}-{(chunk + 1) * small_chunks - 1} (chunk {chunk} of " in err
+    assert "the packed cache in the store is damaged" in err and "Traceback" not in err, err[-3000:]
+    staged = staging_root() / BUCKET / RemotePath(out).key / "metrics.jsonl"
+    assert [m["step"] for m in map(json.loads, staged.read_text().splitlines())] == [1, 2, 3, 4]  # step 5 never trained
+    store.put(bin_key, original)
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home2"))  # a new machine: nothing of the run or the cache on its disk
+    assert not staging_root().exists()
+    store.bytes_read.clear()
+    code, err = launch.in_process(*run)
+    assert code == 0 and "resum" in err and "packed s3://" not in err and "read a chunk at a time" in err, err[-3000:]
+    read = {k: n for k, n in store.bytes_read.items() if k.startswith(f"{prefix}/cache/")}
+    assert not any(k.startswith(f"{prefix}/web/") for k in store.bytes_read), "the fresh node read the corpus"
+    assert read[bin_key] <= 32 * small_chunks  # 16 rows, each in one chunk or across two
+    assert sum(read.values()) < 0.1 * packed, (read, packed)
+    local_bin = staging_root() / ".data" / BUCKET / prefix / "cache" / bin_name
+    assert local_bin.stat().st_size == record["cache_files"][bin_name]["bytes"]
+    assert local_bin.stat().st_blocks * 512 <= read[bin_key] + small_chunks  # the staging copy holds the chunks fetched
+    print(f"fresh node: read {sum(read.values())} of the packed cache's {packed} bytes ({sum(read.values()) / packed:.3f}): "
+          f"the packed rows {read[bin_key]}, the record and side files {sum(read.values()) - read[bin_key]}")
+
+    metrics = [json.loads(line) for line in (staging_root() / BUCKET / RemotePath(out).key / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["loss"], m["sample_ids"]) for m in metrics] == [(m["loss"], m["sample_ids"]) for m in launch.metrics(tmp_path / "ref")]
+    assert len(metrics) == 6
+    compare = subprocess.run([sys.executable, "-m", "checkpoint", "compare", out, str(tmp_path / "ref")], cwd=launch.ROOT,
+                             capture_output=True, text=True, env={**launch.os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert compare.returncode == 0, compare.stdout + compare.stderr
