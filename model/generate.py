@@ -31,26 +31,60 @@ Deterministic given the seed."""
 
 def sample(logits: torch.Tensor, seen: list[int], temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
            repetition_penalty: float = 1.0, generator: torch.Generator | None = None) -> int:
-    """The next id from one position's logits (fp32, 1-D): repetition penalty on the ids in `seen`
-    (as Hugging Face: positive logits divided, negative multiplied), then greedy at temperature 0,
-    else temperature, top-k and top-p (nucleus) filtering and a draw from `generator`."""
-    logits = logits.clone()
+    """The next id from one position's logits (fp32, 1-D), as sample_rows draws a row: repetition penalty
+    on the ids in `seen`, then greedy at temperature 0, else temperature, top-k, top-p and a draw from `generator`."""
+    mask = None
     if repetition_penalty != 1.0 and seen:
-        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
-        picked = logits[idx]
-        logits[idx] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
-    if top_p < 1.0:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)] = True
+    return sample_rows(logits[None], [Sampling(temperature, top_k, top_p, repetition_penalty)], [mask], [generator])[0]
+
+
+def sample_rows(logits: torch.Tensor, samplings: list[Sampling], seen: list[torch.Tensor | None],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """The next id of each row of `logits` (R, vocab), each row drawn by its own rules: the repetition penalty
+    on the ids `seen[r]` marks (a bool row, None: none; as Hugging Face: positive logits divided, negative
+    multiplied), then greedy (the first likeliest id) at temperature 0, else temperature, top-k and top-p
+    (nucleus) filtering and a draw from `generators[r]`. Every step but the draw is row-wise, so the rows are
+    filtered together and a row's bits are the ones it gets alone (tests/test_serve.py holds the
+    one-row rule as its referee); the draw stays one multinomial per row, from that row's generator."""
+    x, rows = logits.float(), range(logits.shape[0])
+    vocab = x.shape[-1]
+
+    def per_row(values: list[float]) -> torch.Tensor:  # a (R', 1) column: a float setting is the float32 an op on a scalar uses
+        return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+
+    penalised = [r for r in rows if samplings[r].repetition_penalty != 1.0 and seen[r] is not None]
+    if penalised:
+        x, some = x.clone(), x[penalised]
+        p = per_row([samplings[r].repetition_penalty for r in penalised])
+        x[penalised] = torch.where(torch.stack([seen[r] for r in penalised]), torch.where(some > 0, some / p, some * p), some)
+    out = [0] * len(rows)
+    greedy = [r for r in rows if samplings[r].temperature <= 0]
+    if greedy:
+        for r, i in zip(greedy, x[greedy].argmax(-1).tolist()):
+            out[r] = i
+    drawn = [r for r in rows if samplings[r].temperature > 0]
+    if not drawn:
+        return out
+    x = x[drawn] / per_row([samplings[r].temperature for r in drawn])
+    for k in sorted({samplings[r].top_k for r in drawn if 0 < samplings[r].top_k < vocab}):
+        at = [i for i, r in enumerate(drawn) if samplings[r].top_k == k]
+        some = x[at]
+        x[at] = some.masked_fill(some < some.topk(k, -1).values[:, -1:], float("-inf"))
+    at = [i for i, r in enumerate(drawn) if samplings[r].top_p < 1.0]
+    if at:
+        some = x[at]
         # A stable sort: tied logits in id order, so the ids kept at the nucleus's edge are the same on any device.
-        order = torch.sort(logits, descending=True, stable=True).indices
-        probs = torch.softmax(logits[order], -1)
+        order = torch.sort(some, dim=-1, descending=True, stable=True).indices
+        probs = torch.softmax(some.gather(-1, order), -1)
+        top_p = per_row([samplings[drawn[i]].top_p for i in at])
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p (at least one id)
-        logits[order[drop]] = float("-inf")
-    return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
+        x[at] = some.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+    probs = torch.softmax(x, -1).cpu()
+    for i, r in enumerate(drawn):
+        out[r] = int(torch.multinomial(probs[i], 1, generator=generators[r]))
+    return out
 
 
 def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
@@ -107,6 +141,7 @@ class Generation:
         self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)
         self.keep_prompt_logits, self.prompt_logits = keep_prompt_logits, None  # the prompt's own (L-1, vocab) logits, once computed
         self.last_id, self.last_logits = None, None  # the id the last step drew (EOS too) and the logits it drew it from
+        self.seen_ids: torch.Tensor | None = None  # the ids so far as a bool row, for the penalty (seen())
 
     @torch.inference_mode()
     def step(self) -> int | None:
@@ -128,24 +163,47 @@ class Generation:
 
     def take(self, logits: torch.Tensor) -> int | None:
         """Draw the next id from this position's logits (1-D) with this sequence's sampling and generator."""
-        s = self.sampling
-        self.last_logits = logits.float()
-        nxt = sample(self.last_logits, self.ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, self.generator)
+        return take_together([self], logits[None])[0]
+
+    def seen(self, vocab: int) -> torch.Tensor | None:
+        """The ids so far as a bool row of `vocab` (kept up to date by `took`), None without a penalty."""
+        if self.sampling.repetition_penalty == 1.0:
+            return None
+        if self.seen_ids is None:
+            self.seen_ids = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            self.seen_ids[torch.tensor(self.ids, dtype=torch.long, device=self.device)] = True
+        return self.seen_ids
+
+    def took(self, nxt: int) -> int | None:
+        """Record the id drawn: the end at EOS (not appended) or at the limit."""
         self.last_id = nxt
         self.left -= 1
         if nxt == self.eos:
             self.done, self.finish = True, "stop"
             return None
         self.ids.append(nxt)
+        if self.seen_ids is not None:
+            self.seen_ids[nxt] = True
         self.done = self.left == 0
         self.finish = "length" if self.done else None
         return nxt
 
 
+def take_together(gens: list[Generation], logits: torch.Tensor) -> list[int | None]:
+    """Each sequence's take() of its row of `logits` (R, vocab), the rows filtered together (sample_rows: each
+    row's draw the one it gets alone, from its own generator)."""
+    logits = logits.float()
+    for g, row in zip(gens, logits):
+        g.last_logits = row
+    drawn = sample_rows(logits, [g.sampling for g in gens], [g.seen(logits.shape[-1]) for g in gens], [g.generator for g in gens])
+    return [g.took(nxt) for g, nxt in zip(gens, drawn)]
+
+
 @torch.inference_mode()
 def step_together(gens: list[Generation]) -> list[int | None]:
     """Each sequence's step() as it would be alone, the ones past their prefill decoded in one forward
-    (model.decode: batch-invariant, so each row is the bits it gets alone); a fresh one's prefill runs alone."""
+    (model.decode: batch-invariant, so each row is the bits it gets alone) and their next ids drawn together
+    (take_together); a fresh one's prefill runs alone."""
     out: dict[int, int | None] = {}
     batch = [k for k, g in enumerate(gens) if not g.done and g.use_cache and g.cache.length]
     for k, g in enumerate(gens):
@@ -154,9 +212,10 @@ def step_together(gens: list[Generation]) -> list[int | None]:
     if batch:
         first = gens[batch[0]]
         rows = decode(first.model, [gens[k].ids[-1] for k in batch], [gens[k].cache for k in batch])
-        for k, row in zip(batch, rows):
+        for k in batch:
             gens[k].last_id = None
-            out[k] = gens[k].take(row)
+        for k, nxt in zip(batch, take_together([gens[k] for k in batch], rows)):
+            out[k] = nxt
     return [out[k] for k in range(len(gens))]
 
 
@@ -192,7 +251,7 @@ def generate_group(model: MiniMindLM, prompt: list[int], generators: list[torch.
     for t in range(max_new_tokens):
         logits, _ = model(step, cache=cache) if use_cache else model(seq)
         last = logits[:, -1].float()
-        nxt = [sample(last[r], [], temperature, 0, top_p, 1.0, generators[r]) for r in range(n)]
+        nxt = sample_rows(last, [Sampling(temperature, 0, top_p, 1.0)] * n, [None] * n, generators)
         out[:, t] = torch.tensor(nxt)
         step = out[:, t:t + 1].to(device)
         seq = torch.cat([seq, step], dim=1)

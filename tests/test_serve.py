@@ -809,6 +809,90 @@ def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_leng
             assert among == case["alone"]  # ids and every log-probability, bit for bit
 
 
+def _one_row(logits, seen, temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0, generator=None):
+    """The referee: the one-row rule every reply was drawn by before the slots' rows were filtered together (verbatim)."""
+    logits = logits.clone()
+    if repetition_penalty != 1.0 and seen:
+        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+        picked = logits[idx]
+        logits[idx] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
+    if top_p < 1.0:
+        order = torch.sort(logits, descending=True, stable=True).indices
+        probs = torch.softmax(logits[order], -1)
+        drop = probs.cumsum(-1) - probs > top_p
+        logits[order[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
+
+
+def _twin(g: torch.Generator) -> torch.Generator:
+    t = torch.Generator()
+    t.set_state(g.get_state())
+    return t
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_sampled_together_draw_each_the_id_the_one_row_rule_draws_alone(threads):
+    """The slots' next ids are filtered together (model.generate.sample_rows: the penalty, temperature, top-k and
+    top-p over all rows at once, a multinomial per row from its own generator): each row's id, and its generator's
+    state after the draw, are the one-row rule's (the per-row sampler every reply was drawn by before, kept here as
+    the referee), for 1 to 8 rows of mixed settings - greedy, seeded, tied logits - on 1 and 2 threads; and
+    generations stepped together draw at every step what that rule draws from their logits and ids so far."""
+    import random
+
+    from model import MiniMindLM, ModelConfig
+    from model.generate import DEFAULTS, Generation, Sampling, sample, sample_rows, step_together
+
+    settings_pool = [Sampling(0.0, 0, 1.0, 1.0), Sampling(0.0, 0, 0.9, 1.1), DEFAULTS, Sampling(0.9, 0, 0.9, 1.1),
+                     Sampling(1.3, 20, 0.5, 1.3), Sampling(0.5, 5, 1.0, 1.0), Sampling(1.0, 0, 0.95, 0.8), Sampling(2.0, 0, 0.3, 1.1),
+                     Sampling(0.7, 0, 1.0, 1.0), Sampling(1.0, 3, 0.999, 1.0), Sampling(0.9000001, 0, 0.90000001, 1.0000001)]
+    rnd, before = random.Random(threads), torch.get_num_threads()
+    torch.manual_seed(threads)
+    torch.set_num_threads(threads)
+    try:
+        rows = 0
+        for vocab, trials in ((259, 40), (6400, 4)):
+            for trial in range(trials):
+                n = rnd.randint(1, 8)
+                # every other trial on a coarse grid: tied logits at the nucleus's edge and at the greedy maximum
+                logits = torch.randn(n, vocab) * 3 if trial % 2 else torch.randint(-4, 5, (n, vocab)).float()
+                logits[:, rnd.randrange(vocab)] = float("-inf")
+                settings = [rnd.choice(settings_pool) for _ in range(n)]
+                seen = [[rnd.randrange(vocab) for _ in range(rnd.randint(0, 60))] for _ in range(n)]
+                masks = [torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(ids, dtype=torch.long), True)
+                         for ids in seen]
+                gens = [torch.Generator().manual_seed(rnd.randrange(2 ** 63)) for _ in range(n)]
+                refs, solo = [_twin(g) for g in gens], [_twin(g) for g in gens]
+                got = sample_rows(logits, settings, masks, gens)
+                want = [_one_row(logits[r], seen[r], *vars(s).values(), generator=refs[r]) for r, s in enumerate(settings)]
+                alone = [sample(logits[r], seen[r], *vars(s).values(), generator=solo[r]) for r, s in enumerate(settings)]
+                assert got == want == alone, (vocab, settings)
+                assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, refs))
+                rows += n
+        assert rows > 100
+
+        model = MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=128, vocab_size=259)).eval()
+        gens = [Generation(model, [256, *range(40 + 5 * k, 50 + 9 * k)], 30, *vars(s).values(), eos=None, seed=7 + k)
+                for k, s in enumerate(settings_pool[:8])]
+        steps = 0
+        while not all(g.done for g in gens):
+            ids_before = [(list(g.ids), _twin(g.generator)) for g in gens]
+            step_together(gens)
+            for g, (ids, gen) in zip(gens, ids_before):
+                if g.last_id is not None:
+                    s = g.sampling
+                    assert g.last_id == _one_row(g.last_logits, ids, s.temperature, s.top_k, s.top_p, s.repetition_penalty, gen)
+                    steps += 1
+        assert steps == 8 * 30
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------------------- a model that calls tools
 
 CALLS = {"conversations": [  # one tool-use conversation, as the agent recipe's fine-tune teaches them (data/chat.py's fields)
