@@ -33,6 +33,13 @@ FETCHES = 8
 class ChunkDamaged(Failed):
     """A chunk of a packed file in the store whose bytes are not the ones its record names: exit 1."""
 
+    def __init__(self, message: str) -> None:
+        # Raised in a DataLoader worker, it is raised again in the trainer with the worker's traceback as
+        # its message ("Caught ChunkDamaged in DataLoader worker process 0 ..."), whose last line is ours.
+        if message.startswith("Caught ") and "ChunkDamaged: " in message:
+            message = message.rsplit("ChunkDamaged: ", 1)[1].strip()
+        super().__init__(message)
+
 
 def record_path(path: Path) -> Path:
     """Where the chunk record of a staging copy lies: beside it, hidden."""

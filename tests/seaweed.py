@@ -130,6 +130,9 @@ class FaultProxy:
 
         proxy = self
         self.plan, self.count, self.injected, self.sent = plan, 0, [], 0
+        self.sent_for: dict[str, int] = {}
+        """Bytes of the bodies sent back, per request path (`/BUCKET/KEY`, without the query)."""
+        self._lock = threading.Lock()
         port = target.ports["s3.port"]
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -172,7 +175,10 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                    proxy.sent += len(data)
+                    with proxy._lock:  # the handlers run in threads (a micro-batch's chunks come at once)
+                        proxy.sent += len(data)
+                        path = self.path.split("?")[0]
+                        proxy.sent_for[path] = proxy.sent_for.get(path, 0) + len(data)
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any

@@ -315,6 +315,46 @@ def test_distillations_teacher_table_in_the_store_is_read_verified_by_a_fresh_no
 
 
 @pytest.mark.e2e
+def test_dataloader_workers_fetch_chunks_with_clients_of_their_own_and_a_damaged_one_is_named_in_one_line(both, tmp_path, small_chunks,
+                                                                                                         monkeypatch):
+    """data.num_workers > 0: each forked worker fetches the chunks of its rows through a store client
+    of its own (never the parent's connections, common/store.py), the rows a local cache's; a damaged
+    chunk met in a worker reaches the trainer as one line naming the object, not the worker's traceback."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from data.chunked import ChunkDamaged
+    from data.dataset import PackedDataset
+    from data.prepare import pack, resolve_source
+
+    local, url = both
+    cache = f"{url.rsplit('/', 1)[0]}/cache"
+    want, _ = pack(resolve_source(str(local), tmp_path), 32, tmp_path / "disk")
+    pack(resolve_source(url, tmp_path), 32, cache)
+    store = store_of(BUCKET)
+    (key,) = [k for k in store.list(cache.removeprefix(f"s3://{BUCKET}/") + "/") if k.endswith(".bin")]
+    data = bytearray(store.get(key)[0])
+    data[20 * small_chunks + 7] ^= 1
+    store.put(key, bytes(data))
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
+    got, meta = pack(resolve_source(url, tmp_path), 32, cache)
+    rows, theirs = PackedDataset(got, 32, dtype=meta["dtype"]), PackedDataset(want, 32, dtype=meta["dtype"])
+    rows[0]  # the parent's client has been used (its connections open) before the workers fork
+    batches = [[5, 900], [1500, 3100], [(20 * small_chunks + 7) // 66, 1]]
+    def fresh_client(worker: int) -> None:  # in the forked worker: the parent's Store (its client made) is not inherited
+        (tmp_path / f"worker{worker}").write_text(str(store_of(BUCKET)._client is None and store_of(BUCKET) is not store))
+
+    loader = iter(DataLoader(rows, batch_sampler=batches, num_workers=2, multiprocessing_context="fork", worker_init_fn=fresh_client))
+    for indices in batches[:2]:
+        x, y = next(loader)
+        assert torch.equal(x, torch.stack([theirs[i][0] for i in indices])) and torch.equal(y, torch.stack([theirs[i][1] for i in indices]))
+    with pytest.raises(ChunkDamaged) as e:
+        next(loader)
+    assert str(e.value).startswith(f"s3://{BUCKET}/{key}: bytes {20 * small_chunks}-") and "\n" not in str(e.value), str(e.value)
+    assert [(tmp_path / f"worker{w}").read_text() for w in (0, 1)] == ["True", "True"]
+
+
+@pytest.mark.e2e
 def test_a_fresh_node_resuming_from_the_store_reads_the_chunks_of_the_rows_it_trains_not_the_packed_corpus_and_ends_on_the_same_bits(
         s3_server, tmp_path, monkeypatch, small_chunks):
     """Issue 55, item 5's last clause: node 1 packs a corpus of 1.6 MB of packed rows into the cache in the

@@ -29,7 +29,7 @@ AIMS = {
 }
 
 
-def store_rows(work: Path, repeat: int) -> list[dict]:
+def store_rows(work: Path, repeat: int, megabytes: int) -> list[dict]:
     """A run folder in object storage (docs/object_storage.md), against SeaweedFS on loopback (the
     tests' server, tests/seaweed.py: `weed mini` on 127.0.0.1, its data on this disk), the 26M and
     104M shapes, interleaved round by round with their floors: a sync save to the store against a raw
@@ -38,7 +38,8 @@ def store_rows(work: Path, repeat: int) -> list[dict]:
     a raw get (download_fileobj, the same parts and concurrency) + sha256 of the same objects; the
     async stall with an s3 out_dir against the local one. Then a fresh node's seconds from launch to
     its first step against a warm node's, and the bytes it fetched (counted by a proxy in front of the
-    server) against the step folder's."""
+    server) against the step folder's; and, with a corpus of `megabytes` MB and its packed cache in the
+    store, the bytes of the cache a fresh node's resume fetched against the cache's."""
     import concurrent.futures
     import io
 
@@ -127,6 +128,7 @@ def store_rows(work: Path, repeat: int) -> list[dict]:
             ]
             del model, opt, states
         rows += fresh_node_rows(work, server)
+        rows += fresh_node_cache_rows(work, server, megabytes)
     finally:
         server.stop()
         for k, v in saved_env.items():
@@ -183,7 +185,60 @@ def fresh_node_rows(work: Path, server) -> list[dict]:
              "detail": f"{bf / 2**20:.1f} MiB / {step_bytes / 2**20:.1f} MiB (the warm node fetched {bw / 2**20:.1f} MiB)"}]
 
 
+def fresh_node_cache_rows(work: Path, server, megabytes: int) -> list[dict]:
+    """The corpus (`megabytes` MB of JSONL, the byte tokenizer: two bytes of packed rows per byte) and
+    its packed cache in the store (data.cache_dir=s3://..., the default chunk of 1 MiB): node 1 packs
+    it, puts the cache and trains 2 steps of 8 rows of 512 tokens; a fresh node (empty staging) resumes
+    and trains 2 more through a proxy that counts the bytes the store sent per object: the bytes of the
+    cache's objects it fetched (the record, the side files, the chunks of the 16 rows it trained:
+    data/chunked.py) against the packed cache's bytes (what it fetched whole before the rows were read
+    lazily)."""
+    import json
+    import random
+
+    import seaweed
+
+    from common.store import store_of
+
+    words = [f"{w}{i}" for i, w in enumerate("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split() * 40)]
+    rnd, corpus = random.Random(0), work / "lazy-corpus.jsonl"
+    with open(corpus, "w") as f:
+        while f.tell() < megabytes * 1_000_000:
+            f.write("".join(json.dumps({"text": " ".join(rnd.choices(words, k=rnd.randint(50, 400)))}) + "\n" for _ in range(1000)))
+    store = store_of(seaweed.BUCKET)
+    store.upload("bench-lazy/corpus.jsonl", corpus, hashlib.sha256(corpus.read_bytes()).hexdigest())
+    args = [sys.executable, "train.py", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=512",
+            "train.global_batch=8", "train.micro_batch=4", "log.progress=false", "checkpoint.interval=0", "runtime.threads=1",
+            f"data.path=s3://{seaweed.BUCKET}/bench-lazy/corpus.jsonl", f"data.cache_dir=s3://{seaweed.BUCKET}/bench-lazy/cache",
+            f"out_dir=s3://{seaweed.BUCKET}/bench-lazy/run"]
+    first = subprocess.run([*args, "train.steps=2"], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "MINIMIND_STAGING_DIR": str(work / "lazy-node1")})
+    assert first.returncode == 0, first.stderr[-2000:]
+    proxy = seaweed.FaultProxy(server, lambda method, path, n: None)  # forwards everything, counting the bytes per object
+    try:
+        fresh = subprocess.run([*args, "train.steps=4"], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, "MINIMIND_STAGING_DIR": str(work / "lazy-node2"), "AWS_ENDPOINT_URL": proxy.endpoint})
+        assert fresh.returncode == 0 and "read a chunk at a time" in fresh.stderr, fresh.stderr[-2000:]
+    finally:
+        proxy.close()
+    cache = f"/{seaweed.BUCKET}/bench-lazy/cache/"
+    (record_key,) = [k for k in store.list("bench-lazy/cache/") if k.endswith(".json")]
+    record = json.loads(store.get(record_key)[0])
+    packed = sum(e["bytes"] for e in record["cache_files"].values())
+    rows_name = next(n for n, e in record["cache_files"].items() if "chunks" in e)
+    got = {path: n for path, n in proxy.sent_for.items() if path.startswith(cache)}
+    fetched, rows = sum(got.values()), got.get(cache + rows_name, 0)
+    of_corpus = proxy.sent_for.get(f"/{seaweed.BUCKET}/bench-lazy/corpus.jsonl", 0)
+    chunk = record["cache_files"][rows_name]["chunk_bytes"]
+    return [{"row": f"a fresh node's bytes of the packed cache in the store, {packed / 2**20:.0f} MiB packed, a resume of 2 steps x 8 rows",
+             "what": "bytes fetched / the corpus's packed bytes", "value": fetched / packed,
+             "detail": f"{fetched / 2**20:.1f} MiB / {packed / 2**20:.1f} MiB: the packed rows {rows / 2**20:.1f} MiB ({rows // chunk + bool(rows % chunk)} "
+                       f"chunks of {chunk // 2**20} MiB for the 16 rows trained), the record ({len(record['cache_files'][rows_name]['chunks'])} "
+                       f"chunk hashes) and side files {(fetched - rows) / 2**10:.0f} KiB; of the corpus ({megabytes} MB) {of_corpus} bytes; "
+                       f"before the rows were read lazily a fresh node fetched the whole cache (1.0)"}]
+
+
 @section("store", order=210, aims=AIMS)
 def run(work: Path, a: argparse.Namespace) -> list[dict]:
     q = a.quick
-    return store_rows(work, 2 if q else 3)
+    return store_rows(work, 2 if q else 3, 64 if q else 128)
