@@ -426,3 +426,32 @@ def test_a_fresh_node_resuming_from_the_store_reads_the_chunks_of_the_rows_it_tr
     compare = subprocess.run([sys.executable, "-m", "checkpoint", "compare", out, str(tmp_path / "ref")], cwd=launch.ROOT,
                              capture_output=True, text=True, env={**launch.os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
     assert compare.returncode == 0, compare.stdout + compare.stderr
+
+
+@pytest.mark.e2e
+def test_two_ranks_on_one_node_read_their_rows_chunks_into_one_staging_copy_and_end_equal_to_the_two_process_run_on_a_disk(
+        s3_server, tmp_path):
+    """torchrun with 2 processes, the corpus and its packed cache in the store: each rank fetches the
+    chunks of the rows it computes into the node's one sparse staging copy (the same verified bytes
+    where two meet); halted at step 2 on node 1, resumed on a fresh node 2, the run ends equal to the
+    2-process run on a disk (weights and every logged loss: `checkpoint compare`)."""
+    prefix = f"w2-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "web").mkdir()
+    for name, data in corpus_files(random.Random(1), n_files=6).items():
+        (tmp_path / "web" / name).write_bytes(data)
+        store_of(BUCKET).put(f"{prefix}/web/{name}", data)
+    tiny = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32", "train.global_batch=8",
+            "train.micro_batch=2", "train.steps=6", "train.warmup_steps=3", "checkpoint.interval=2", "log.progress=false", "runtime.threads=1"]
+    env = {**s3_server.env, "MINIMIND_CACHE_CHUNK_BYTES": "4096"}
+    launch.run(2, *tiny, f"data.path={tmp_path / 'web'}", f"data.cache_dir={tmp_path / 'disk-cache'}", f"out_dir={tmp_path / 'ref'}",
+               env={**env, "MINIMIND_STAGING_DIR": str(tmp_path / "node0")})
+    run = [*tiny, f"data.path=s3://{BUCKET}/{prefix}/web", f"data.cache_dir=s3://{BUCKET}/{prefix}/cache", f"out_dir=s3://{BUCKET}/{prefix}/out"]
+    launch.run(2, *run, "train.halt_at=2", env={**env, "MINIMIND_STAGING_DIR": str(tmp_path / "node1")})
+    proc = launch.run(2, *run, env={**env, "MINIMIND_STAGING_DIR": str(tmp_path / "node2")})
+    assert "read a chunk at a time" in proc.stderr and "packed s3://" not in proc.stderr, proc.stderr[-3000:]
+    (staged,) = (tmp_path / "node2" / ".data" / BUCKET / prefix / "cache").glob("*.bin")
+    assert staged.stat().st_blocks * 512 < staged.stat().st_size / 2  # the chunks of 32 rows, not the file
+    compare = subprocess.run([sys.executable, "-m", "checkpoint", "compare", f"s3://{BUCKET}/{prefix}/out", str(tmp_path / "ref")],
+                             cwd=launch.ROOT, capture_output=True, text=True,
+                             env={**launch.os.environ, "MINIMIND_STAGING_DIR": str(tmp_path / "tools")})
+    assert compare.returncode == 0, compare.stdout + compare.stderr
