@@ -7,7 +7,8 @@ M' rows: under MKL's default branch, a row's result changes with the number of r
 exactly ROW_BLOCK rows: the batch's rows padded with zeros to a multiple of ROW_BLOCK and multiplied
 one block at a time. A row's result then depends on nothing but itself (measured: equal bits at every
 batch size, row position and thread count). The rest of a step is row-wise already (embedding,
-RMSNorm, rotary, the elementwise SwiGLU), and attention runs per sequence over its own KV cache, the
+RMSNorm, the elementwise SwiGLU, and rotary: each row times its own position's cos and sin, all rows
+in one elementwise op), and attention runs per sequence over its own KV cache, the
 very ops a lone sequence runs; an MoE block's experts run per sequence (their row counts are the
 router's). A lone sequence decodes through the same function (a batch of one), so `generate`,
 `chat` and every reply of `serve` are the same bits however many are generated together.
@@ -41,6 +42,8 @@ def decode(model: MiniMindLM, tokens: list[int], caches: list[KVCache]) -> torch
     appended to `caches[r]` (one sequence's cache each, at its own length)."""
     r, device = len(tokens), model.tok_embeddings.weight.device
     h = model.tok_embeddings(torch.tensor(tokens, dtype=torch.long, device=device))  # (R, dim)
+    at = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)  # each sequence's next position
+    cos, sin = model.rope_cos[at][:, None, None], model.rope_sin[at][:, None, None]  # (R, 1, 1, D): elementwise, row by row
     for i, layer in enumerate(model.layers):
         a = layer.attention
         x = layer.attention_norm(h)
@@ -49,13 +52,11 @@ def decode(model: MiniMindLM, tokens: list[int], caches: list[KVCache]) -> torch
         v = blocked(a.wv, x).view(r, 1, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.qk_norm:
             q, k = a.q_norm(q), a.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ys = []
         for s in range(r):  # attention: each sequence over its own cache, as alone
-            cache = caches[s].layers[i]
-            at = cache.length
-            cos, sin = model.rope_cos[at:at + 1], model.rope_sin[at:at + 1]
-            qs, ks = apply_rope(q[s:s + 1], cos, sin), apply_rope(k[s:s + 1], cos, sin)
-            ks, vs = cache.append(ks, v[s:s + 1])
+            qs = q[s:s + 1]
+            ks, vs = caches[s].layers[i].append(k[s:s + 1], v[s:s + 1])
             if a.n_kv_heads != a.n_heads:
                 rep = a.n_heads // a.n_kv_heads
                 ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
