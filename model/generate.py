@@ -48,39 +48,47 @@ def sample_rows(logits: torch.Tensor, samplings: list[Sampling], seen: list[torc
     (nucleus) filtering and a draw from `generators[r]`. Every step but the draw is row-wise, so the rows are
     filtered together and a row's bits are the ones it gets alone (tests/test_serve.py holds the
     one-row rule as its referee); the draw stays one multinomial per row, from that row's generator."""
-    x, rows = logits.float(), range(logits.shape[0])
+    x, n = logits.float(), logits.shape[0]
     vocab = x.shape[-1]
 
-    def per_row(values: list[float]) -> torch.Tensor:  # a (R', 1) column: a float setting is the float32 an op on a scalar uses
-        return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+    def setting(values: list[float]) -> float | torch.Tensor:  # an op on a float is the op on its float32 (measured)
+        return values[0] if len(set(values)) == 1 else torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
 
-    penalised = [r for r in rows if samplings[r].repetition_penalty != 1.0 and seen[r] is not None]
+    def rows_of(t: torch.Tensor, at: list[int]) -> torch.Tensor:
+        return t if len(at) == t.shape[0] else t[at]
+
+    def put(t: torch.Tensor, at: list[int], new: torch.Tensor) -> torch.Tensor:  # t: a tensor of this function's own
+        if len(at) == t.shape[0]:
+            return new
+        t[at] = new
+        return t
+
+    penalised = [r for r in range(n) if samplings[r].repetition_penalty != 1.0 and seen[r] is not None]
     if penalised:
-        x, some = x.clone(), x[penalised]
-        p = per_row([samplings[r].repetition_penalty for r in penalised])
-        x[penalised] = torch.where(torch.stack([seen[r] for r in penalised]), torch.where(some > 0, some / p, some * p), some)
-    out = [0] * len(rows)
-    greedy = [r for r in rows if samplings[r].temperature <= 0]
+        some, p = rows_of(x, penalised), setting([samplings[r].repetition_penalty for r in penalised])
+        marks = torch.stack([seen[r] for r in penalised])
+        x = put(x if len(penalised) == n else x.clone(), penalised, torch.where(marks, torch.where(some > 0, some / p, some * p), some))
+    out = [0] * n
+    greedy = [r for r in range(n) if samplings[r].temperature <= 0]
     if greedy:
-        for r, i in zip(greedy, x[greedy].argmax(-1).tolist()):
+        for r, i in zip(greedy, rows_of(x, greedy).argmax(-1).tolist()):
             out[r] = i
-    drawn = [r for r in rows if samplings[r].temperature > 0]
+    drawn = [r for r in range(n) if samplings[r].temperature > 0]
     if not drawn:
         return out
-    x = x[drawn] / per_row([samplings[r].temperature for r in drawn])
+    x = rows_of(x, drawn) / setting([samplings[r].temperature for r in drawn])  # a tensor of its own from here on
     for k in sorted({samplings[r].top_k for r in drawn if 0 < samplings[r].top_k < vocab}):
         at = [i for i, r in enumerate(drawn) if samplings[r].top_k == k]
-        some = x[at]
-        x[at] = some.masked_fill(some < some.topk(k, -1).values[:, -1:], float("-inf"))
+        some = rows_of(x, at)
+        x = put(x, at, some.masked_fill(some < some.topk(k, -1).values[:, -1:], float("-inf")))
     at = [i for i, r in enumerate(drawn) if samplings[r].top_p < 1.0]
     if at:
-        some = x[at]
+        some = rows_of(x, at)
         # A stable sort: tied logits in id order, so the ids kept at the nucleus's edge are the same on any device.
         order = torch.sort(some, dim=-1, descending=True, stable=True).indices
         probs = torch.softmax(some.gather(-1, order), -1)
-        top_p = per_row([samplings[drawn[i]].top_p for i in at])
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p (at least one id)
-        x[at] = some.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+        drop = probs.cumsum(-1) - probs > setting([samplings[drawn[i]].top_p for i in at])  # the smallest set reaching top_p
+        x = put(x, at, some.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf")))
     probs = torch.softmax(x, -1).cpu()
     for i, r in enumerate(drawn):
         out[r] = int(torch.multinomial(probs[i], 1, generator=generators[r]))
