@@ -33,6 +33,8 @@ def blocked(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     pad = -r % ROW_BLOCK
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == ROW_BLOCK:  # one block: no pieces to join
+        return module(x)[:r]
     return torch.cat([module(x[i:i + ROW_BLOCK]) for i in range(0, x.shape[0], ROW_BLOCK)])[:r]
 
 
@@ -53,15 +55,13 @@ def decode(model: MiniMindLM, tokens: list[int], caches: list[KVCache]) -> torch
         if a.qk_norm:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ys = []
-        for s in range(r):  # attention: each sequence over its own cache, as alone
-            qs = q[s:s + 1]
-            ks, vs = caches[s].layers[i].append(k[s:s + 1], v[s:s + 1])
-            if a.n_kv_heads != a.n_heads:
-                rep = a.n_heads // a.n_kv_heads
+        ys, rep = [], a.n_heads // a.n_kv_heads
+        for s, (qs, ks, vs) in enumerate(zip(q.split(1), k.split(1), v.split(1))):  # each sequence over its own cache, as alone
+            ks, vs = caches[s].layers[i].append(ks, vs)
+            if rep > 1:
                 ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
-            ys.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(1, a.n_heads * a.head_dim))
-        h = h + blocked(a.wo, torch.cat(ys))
+            ys.append(F.scaled_dot_product_attention(qs, ks, vs))  # (1, H, 1, D)
+        h = h + blocked(a.wo, torch.cat(ys).transpose(1, 2).reshape(r, a.n_heads * a.head_dim))
         x = layer.ffn_norm(h)
         ff = layer.feed_forward
         if isinstance(ff, MoE):
