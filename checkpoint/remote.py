@@ -268,6 +268,12 @@ class RemoteStore:
         self.store.delete((folder / PRUNING).key)
 
 
+def split(url: str) -> tuple[str, str | None]:
+    """A run folder's or a checkpoint's URL as (the run folder's URL, the step folder's name or None)."""
+    run, _, step = str(url).rstrip("/").rpartition(f"/{storage.CHECKPOINTS}/")
+    return (run, step) if run and storage.NAME.match(step) else (str(url).rstrip("/"), None)
+
+
 def fetch(url: str, dest: Path, step_folder: str | None = None, checkpoint: bool = True) -> Path:
     """A local copy of a run folder in the store, for the commands that read one (inspect, compare,
     export, generate, chat, serve, eval, plot, status): its status.json, config.yaml and metrics.jsonl,

@@ -47,9 +47,7 @@ def fetch(place, checkpoint: bool = True):
         return place
     from checkpoint import remote
 
-    run, _, step = str(place).rstrip("/").rpartition(f"/{storage.CHECKPOINTS}/")
-    if not (run and storage.NAME.match(step)):
-        run, step = str(place).rstrip("/"), None
+    run, step = remote.split(place)
     local = remote.fetch(run, folder.fetched_dir(run), step, checkpoint)
     return local / storage.CHECKPOINTS / step if step else local
 

@@ -277,8 +277,18 @@ def finish(root: Path) -> str | None:
 def convert(path: Path) -> int:
     """Convert every checkpoint of the earlier layout in a run folder (or the one checkpoint folder
     given), newest first, after finishing a conversion that was interrupted."""
+    from common.store import is_url
+
     from .arguments import CommandError
 
+    if is_url(path):  # the store came with this layout: nothing there was written by the earlier one
+        from checkpoint import remote
+
+        run, step = remote.split(str(path))
+        if not remote.RemoteStore(remote.RemotePath(run)).list_steps():
+            raise CommandError(f"{path}: no checkpoint in the store there; nothing to convert")
+        print(f"{path}: a run folder in object storage holds this layout only (the earlier one predates the store); nothing to convert")
+        return 0
     path = Path(path)
     if (path / storage.MANIFEST).exists():
         root, only = path.parent, path
@@ -311,11 +321,13 @@ def convert(path: Path) -> int:
 
 
 HELP = "convert checkpoints of the earlier layout (resume.pth) into this one, in place"
-REMOTE = False  # a local run folder only: the conversion rewrites it in place
+REMOTE = False  # not fetched: a local run folder is rewritten in place, one in the store has nothing to convert
 
 
 def arguments(p) -> None:
-    p.add_argument("path", type=Path, help="a run folder (every old checkpoint in it) or one checkpoint folder")
+    from .arguments import place
+
+    p.add_argument("path", type=place, help="a run folder (every old checkpoint in it) or one checkpoint folder")
 
 
 def run(args) -> int:

@@ -316,6 +316,9 @@ MUTANTS = (
            "    import importlib.util as u\n    s = u.spec_from_file_location('m', spec.rpartition(':')[0])\n    m = u.module_from_spec(s)\n"
            "    s.loader.exec_module(m)\n    return getattr(m, spec.rpartition(':')[2]), {'spec': spec}\n",
            ("tests/test_agent.py::test_a_tool_that_hangs_inside_c_is_killed_at_its_timeout_and_the_run_exits_1_naming_it",)),
+    Mutant("store-source-recorded-as-its-copy", "a first-weights source in the store is recorded by its URL, not by the staging copy a fresh node lacks",
+           "weights/sources.py", 'record = {"path": url or str(folder.resolve()),', 'record = {"path": str(folder.resolve()),',
+           ("tests/test_object_storage.py::test_a_run_in_the_store_is_a_model_init_from_source_for_a_fresh_node_and_has_nothing_to_convert",)),
     Mutant("worker-pins-outlive-the-run", "the user code a run pinned ends with the run: a later run in the same interpreter pins its own",
            "train.py", "            WORKER.close()  # the user code this run pinned ends with it (objectives/worker.py)\n", "",
            ("tests/test_grpo.py::test_a_run_in_the_same_interpreter_pins_only_its_own_code_not_an_ended_runs",)),

@@ -209,6 +209,35 @@ def test_the_commands_read_a_run_folder_in_the_store_from_a_verified_copy(s3_ser
     assert json.loads(cli("inspect", url))["step"] == 2
 
 
+@pytest.mark.e2e
+def test_a_run_in_the_store_is_a_model_init_from_source_for_a_fresh_node_and_has_nothing_to_convert(
+        s3_server, url, tiny, tmp_path, monkeypatch, capsys):
+    """model.init_from=s3://... (a run folder or one of its checkpoints) reads a verified copy on a node that never
+    saw the run: the same first weights, figures and bits as from the same checkpoint on a disk; the run's record
+    names the step's URL. `convert` of a run folder in the store has nothing to convert (exit 0); a URL holding no
+    run is bad input naming model.init_from."""
+    from cli import main
+
+    short = [*tiny, "train.steps=2"]
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node-a"))
+    assert launch.in_process(*short, "checkpoint.interval=1", f"out_dir={url}")[0] == 0
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "node-b"))  # another machine: nothing of the run on its disk
+    code, err = launch.in_process(*short, f"model.init_from={url}/checkpoints/step_00000001", f"out_dir={tmp_path / 'from-store'}")
+    assert code == 0, err
+    assert f"# model.init_from: {url}/checkpoints/step_00000001 " in (tmp_path / "from-store" / "config.yaml").read_text()
+    assert main(["export", f"{url}/checkpoints/step_00000001", "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert main(["inspect", f"{url}/checkpoints/step_00000001"]) == 0
+    local = next((tmp_path / "node-b" / ".fetched").rglob("step_00000001"))  # the commands' verified copy, on a disk
+    code, err = launch.in_process(*short, f"model.init_from={local}", f"out_dir={tmp_path / 'from-disk'}")
+    assert code == 0, err
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "from-store"), str(tmp_path / "from-disk")]) == 0, capsys.readouterr()
+    assert main(["convert", url]) == 0 and "nothing to convert" in capsys.readouterr().out
+    code, err = launch.in_process(*short, f"model.init_from={url}-nothing-here", f"out_dir={tmp_path / 'bad'}")
+    assert code == 2 and f"model.init_from: {url}-nothing-here: nothing there" in err and "Traceback" not in err, err
+    assert main(["convert", f"{url}-nothing-here"]) == 2
+
+
 # ---------------------------------------------------------------------------------------- bad input
 @pytest.mark.unit
 @pytest.mark.parametrize("out_dir, says", [

@@ -4,7 +4,9 @@ the same bytes (nothing pickled runs: `weights_only=True` or safetensors):
     of the resume file, verified against the manifest;
   - one of our fp16 weights files (`weights_fp16.safetensors`, or a format-2 checkpoint's `weights_fp16.pth`);
   - a MiniMind2 state dict (`.pth`, MiniMind2's key names: `model.embed_tokens`, ...);
-  - a Hugging Face Llama folder (`config.json` + `model.safetensors`), as `export --format hf` writes.
+  - a Hugging Face Llama folder (`config.json` + `model.safetensors`), as `export --format hf` writes;
+  - a run folder or checkpoint in object storage (`s3://...`): a verified local copy of it, read as the
+    folder it is (the record names the step's URL, so a fresh node reads it again from the store).
 A LoRA run's checkpoint (train.lora) holds its adapters only: its weights are its base's (read from
 where the run read it, checked against the hash the adapters were trained over) with the adapters
 folded in (docs/lora.md).
@@ -25,6 +27,33 @@ from model.formats import WeightsError, check_fits, check_tensors, from_llama, h
 from model.lora import LoRAConfig, is_adapter, merged
 
 HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "generation_config.json"
+
+
+def local(path: str | Path, key: str) -> tuple[Path, str | None]:
+    """(a place to read the source at, the URL of the checkpoint it is when it lives in the store): a run
+    folder or checkpoint in object storage comes down to a verified copy in the staging folder (the
+    ranks of a node take turns: the first fetches, the others reuse its copy); a local path as it is."""
+    from common.store import is_url, parse, staging_root
+
+    if not is_url(path):
+        return Path(path), None
+    import fcntl
+
+    from checkpoint import remote
+
+    run, step = remote.split(str(path))
+    try:
+        bucket, prefix = parse(run, key)
+        dest = staging_root() / ".sources" / bucket / prefix
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.parent / f"{dest.name}.lock", "w") as lock:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            copy = remote.fetch(run, dest, step)
+    except storage.NoCheckpoint as e:
+        raise WeightsError(f"{key}: {e} (in the store: a run folder or a checkpoint of ours; a Hugging Face folder or a "
+                           f"weights file there is read after downloading it)") from None
+    folder = next(f for f in sorted((copy / storage.CHECKPOINTS).iterdir()) if storage.NAME.match(f.name))
+    return folder, f"{run}/{storage.CHECKPOINTS}/{folder.name}"
 
 
 def read_bytes_of(path: Path, key: str = "model.init_from") -> bytes:
@@ -146,7 +175,7 @@ def architecture_of(path: str | Path, given: ModelConfig | None, seq_len: int, k
     weights file (a MiniMind .pth, safetensors, our fp16 file) carries none, and `given` (the keys
     that describe it) is used. `seq_len`: the positions it will read (rotary tables, not weights).
     Returns (the config, where it came from); a source that cannot be read is bad input naming `key`."""
-    path = Path(path)
+    path, _ = local(path, key)
     if not path.exists():
         raise WeightsError(f"{key}: {path} does not exist")
     try:
@@ -176,7 +205,7 @@ def architecture_of(path: str | Path, given: ModelConfig | None, seq_len: int, k
 def read_source(path: str | Path, cfg: ModelConfig, key: str = "model.init_from") -> tuple[dict[str, torch.Tensor], dict]:
     """(the weights under our key names, the record of where they came from: path, sha256, format);
     `key`: the config key that names the source, in the errors."""
-    path = Path(path)
+    path, url = local(path, key)
     if path.is_dir() and (path / HF_CONFIG).is_file():
         config_bytes, data = read_bytes_of(path / HF_CONFIG, key), read_bytes_of(path / HF_WEIGHTS, key)
         try:
@@ -199,7 +228,7 @@ def read_source(path: str | Path, cfg: ModelConfig, key: str = "model.init_from"
         # The source's identity: a hash of its state files' sha256s (as the manifest lists them: every
         # one was checked as it was read), and the weights' own sha256.
         listing = "".join(f"{k}:{e['sha256']}\n" for k, e in sorted(manifest["files"].items()) if k.startswith("state/"))
-        record = {"path": str(folder.resolve()), "sha256": hashlib.sha256(listing.encode()).hexdigest(), "format": "checkpoint",
+        record = {"path": url or str(folder.resolve()), "sha256": hashlib.sha256(listing.encode()).hexdigest(), "format": "checkpoint",
                   "model_sha256": identity(state, cfg)}
     else:
         data = read_bytes_of(path, key)
