@@ -599,6 +599,10 @@ MUTANTS = (
            "cli/serve.py", "        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)\n",
            "        return fn(*args)\n",
            ("tests/test_serve.py::test_a_parser_sleeping_5_s_on_one_request_holds_no_other_clients_reply",)),
+    Mutant("sampled-rows-share-a-generator", "the slots' next ids drawn together are each the id the one-row sampler draws alone "
+           "(its own settings, ids so far and generator)",
+           "model/generate.py", "generator=generators[r]))", "generator=generators[0]))",
+           ("tests/test_serve.py::test_rows_sampled_together_draw_each_the_id_the_one_row_rule_draws_alone[1]",)),
     Mutant("batch-without-fixed-block", "a reply's bits do not depend on the replies decoded beside it (every linear through a fixed row block)",
            "model/decode.py", "    pad = -r % ROW_BLOCK\n", "    pad = 0\n",
            ("tests/test_serve.py::test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way",)),
