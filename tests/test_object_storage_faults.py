@@ -61,7 +61,10 @@ def test_throttling_and_5xx_answers_are_retried_logged_and_change_nothing_and_pa
     launch.run(0, *args, f"out_dir={tmp_path / 'ref'}")
     every_fifth = seaweed.FaultProxy(s3_server, lambda method, path, n: (503 if n % 10 == 0 else 500) if n % 5 == 0 else None)
     try:
-        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": every_fifth.endpoint, "MINIMIND_S3_ATTEMPTS": "3"}
+        # the lease's own ttl (30 s), not the tests' 4 s: with one request in five refused and retried, a renewal
+        # waits behind the rows' chunk fetches and its own retries for more than 4 s on a loaded machine (seen in CI)
+        env = {**s3_env(s3_server, tmp_path / "node"), "AWS_ENDPOINT_URL": every_fifth.endpoint, "MINIMIND_S3_ATTEMPTS": "3",
+               "MINIMIND_LEASE_TTL_S": "30"}
         proc = launch.run(0, *args, f"out_dir={url}", env=env)
         assert {s for _, _, s in every_fifth.injected} == {500, 503}
         assert "SlowDown injected by the test; retry 1 of 2" in proc.stderr and "InternalError" in proc.stderr
