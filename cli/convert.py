@@ -285,7 +285,8 @@ def convert(path: Path) -> int:
         from checkpoint import remote
 
         run, step = remote.split(str(path))
-        if not remote.RemoteStore(remote.RemotePath(run)).list_steps():
+        steps = [folder.name for _, folder in remote.RemoteStore(remote.RemotePath(run)).list_steps()]
+        if not steps or (step and step not in steps):
             raise CommandError(f"{path}: no checkpoint in the store there; nothing to convert")
         print(f"{path}: a run folder in object storage holds this layout only (the earlier one predates the store); nothing to convert")
         return 0

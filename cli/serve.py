@@ -225,7 +225,7 @@ async def read_body(request, limit: int) -> bytes:
 
 def _settings(body: dict, max_default: int | None) -> dict:
     """The fields chat completions and completions share, checked; ApiError (400) naming the field."""
-    from model.generate import DEFAULTS
+    from model.generate import DEFAULTS, SMALLEST
 
     if not isinstance(body.get("model", ""), str):
         raise ApiError(400, "model must be a string", "model")
@@ -250,11 +250,14 @@ def _settings(body: dict, max_default: int | None) -> dict:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "stream_options must be an object {include_usage: true|false}", "stream_options")
+    temperature = float(_number(body, "temperature", DEFAULTS.temperature, 0, 2))
+    if 0 < temperature < SMALLEST:  # its logits could overflow to inf: a NaN draw (model/generate.py)
+        raise ApiError(400, f"temperature must be 0 (greedy) or at least {SMALLEST:g}, got {temperature}", "temperature")
     return dict(
-        temperature=float(_number(body, "temperature", DEFAULTS.temperature, 0, 2)),
+        temperature=temperature,
         top_p=float(_number(body, "top_p", DEFAULTS.top_p, 0, 1, low_open=True)),
         top_k=_number(body, "top_k", DEFAULTS.top_k, 0, integer=True),
-        repetition_penalty=float(_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, 0, low_open=True)),
+        repetition_penalty=float(_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, SMALLEST, 1 / SMALLEST)),
         max_tokens=max_tokens, stop=stop, seed=seed if seed is not None else secrets.randbits(63),
         stream=stream, include_usage=options.get("include_usage", False), n=_number(body, "n", 1, 1, MAX_N, integer=True))
 
@@ -726,6 +729,17 @@ class ToolParser:
         if not isinstance(calls, list):
             raise ApiError(500, f"the run's tool-call parser train.agent.parser={self.spec} returned {type(calls).__name__}: "
                                 f"expected a list of calls", type="server_error", code="parser_failed")
+        for k, call in enumerate(calls):  # what a reply cannot carry is the parser's failure, named (found by review)
+            if not isinstance(call, dict):
+                continue  # skipped, as MiniMind's server skips a call that is not an object
+            try:
+                if not isinstance(call.get("name", ""), str):
+                    raise TypeError(f"its name is {type(call['name']).__name__}, not a string")
+                json.dumps(call.get("arguments", {}), ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ApiError(500, f"the run's tool-call parser train.agent.parser={self.spec} returned call {k}, which a reply "
+                                    f"cannot carry ({e}): expected {{name: a string, arguments: JSON}}", type="server_error",
+                               code="parser_failed") from None
         return calls
 
     async def run(self, fn, *args):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,14 @@ class Lazy:
         self.chunk, self.hashes = record["chunk_bytes"], record["chunks"]
         self.ok: set[int] = set()
         self._lock = threading.Lock()
+        # The file as opened now: chunks are checked and written through this descriptor, so a file packed over
+        # the path later (another run of this node) is never what this one's reads are checked against.
+        self.fd = os.open(self.path, os.O_RDWR)
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
 
     @classmethod
     def open(cls, path: Path) -> Lazy | None:
@@ -106,11 +115,12 @@ class Lazy:
             return None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "ok": set(), "_lock": None}
+        return {**self.__dict__, "ok": set(), "_lock": None, "fd": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self.fd = os.open(self.path, os.O_RDWR)
 
     def chunks(self, offset: int, n: int) -> range:
         return range(offset // self.chunk, (offset + max(n, 1) - 1) // self.chunk + 1)
@@ -130,19 +140,25 @@ class Lazy:
     def _make_good(self, i: int) -> None:
         start = i * self.chunk
         n, want = min(self.chunk, self.size - start), self.hashes[i]
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            if hashlib.sha256(os.pread(fd, n, start)).hexdigest() != want:  # not here yet (a hole), or not these bytes
-                where = RemotePath(self.url)
-                data = where.store.get_range(where.key, start, n)
-                got = hashlib.sha256(data).hexdigest()
-                if got != want:
-                    raise ChunkDamaged(f"{self.url}: bytes {start}-{start + n - 1} (chunk {i} of {len(self.hashes)}) hash to "
-                                       f"{got[:16]}..., not the {want[:16]}... the cache's record names: the packed cache in the "
-                                       f"store is damaged; no row of it is trained on (delete its record "
-                                       f"{self.url.rsplit('.', 1)[0]}.json to have the corpus packed again)")
-                os.pwrite(fd, data, start)
-        finally:
-            os.close(fd)
+        if hashlib.sha256(os.pread(self.fd, n, start)).hexdigest() != want:  # not here yet (a hole), or not these bytes
+            where = RemotePath(self.url)
+            data = where.store.get_range(where.key, start, n)
+            got = hashlib.sha256(data).hexdigest()
+            if got != want:
+                raise ChunkDamaged(f"{self.url}: bytes {start}-{start + n - 1} (chunk {i} of {len(self.hashes)}) hash to "
+                                   f"{got[:16]}..., not the {want[:16]}... the cache's record names: the packed cache in the "
+                                   f"store is damaged; no row of it is trained on (delete its record "
+                                   f"{self.url.rsplit('.', 1)[0]}.json to have the corpus packed again)")
+            os.pwrite(self.fd, data, start)
         with self._lock:
             self.ok.add(i)
+
+
+def mapped(path: Path) -> tuple[Lazy | None, mmap.mmap]:
+    """The packed file at `path` mapped for reading, with its lazy reader when it is a staging copy (else
+    None): both on one open of the file, so the rows read are the bytes the reader checks and fills."""
+    lazy = Lazy.open(Path(path))
+    if lazy is not None:
+        return lazy, mmap.mmap(lazy.fd, 0, access=mmap.ACCESS_READ)
+    with open(path, "rb") as f:
+        return None, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

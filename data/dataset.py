@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .chunked import Lazy
+from .chunked import Lazy, mapped
 from .sources import DataError
 
 
@@ -52,13 +52,11 @@ class PackedDataset(Dataset):
     def _rows(self) -> np.ndarray:
         # Opened lazily so that DataLoader workers each map the file instead of pickling it.
         if self._data is None:
-            self._lazy = Lazy.open(self.bin_path)  # the staging copy of a cache in the store: read a chunk at a time
-            with open(self.bin_path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._lazy, rows = mapped(self.bin_path)  # a cache in the store's staging copy: read a chunk at a time
             # Samples are read at random places: without this, each page fault reads the disk's whole
             # read-ahead window around it (8 MiB here), hundreds of times what a sample needs.
-            mapped.madvise(mmap.MADV_RANDOM)
-            self._data = np.frombuffer(mapped, dtype=self.dtype).reshape(-1, self.row)
+            rows.madvise(mmap.MADV_RANDOM)
+            self._data = np.frombuffer(rows, dtype=self.dtype).reshape(-1, self.row)
         return self._data
 
     def _row(self, index: int) -> np.ndarray:

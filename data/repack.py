@@ -14,13 +14,13 @@ rows of the remainder; the phase is written into every later manifest (its data 
 seq_len inside the remainder is refused (the phase would be a remainder of a remainder)."""
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import chunked
 from .chunked import Lazy
 from .sampler import make_order
 from .sources import DataError
@@ -68,9 +68,8 @@ class Repacked(Dataset):
         if not 0 <= index < self.n:
             raise IndexError(index)
         if self._flat is None:
-            self._lazy = Lazy.open(self.bin_path)  # the staging copy of a cache in the store: read a chunk at a time
-            with open(self.bin_path, "rb") as f:
-                self._flat = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype)
+            self._lazy, rows = chunked.mapped(self.bin_path)  # a cache in the store's staging copy: read a chunk at a time
+            self._flat = np.frombuffer(rows, dtype=self.dtype)
         lo, hi = index * self.row, (index + 1) * self.row
         k, parts = int(np.searchsorted(self.cum, lo, side="right")) - 1, []
         while lo < hi:

@@ -95,6 +95,11 @@ def sample_rows(logits: torch.Tensor, samplings: list[Sampling], seen: list[torc
     return out
 
 
+SMALLEST = 1e-6
+"""The smallest temperature and repetition penalty a draw takes (and the largest penalty, its inverse): a logit
+divided by less can overflow float32 to inf, whose softmax is NaN (a temperature of 0 is greedy)."""
+
+
 def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
     """ValueError naming the setting (and its command-line flag) that is outside its range."""
     import math
@@ -102,14 +107,14 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, t
     problems = []
     if max_new_tokens is not None and max_new_tokens < 0:
         problems.append(f"--tokens must be >= 0, got {max_new_tokens}")
-    if not math.isfinite(temperature) or temperature < 0:
-        problems.append(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < SMALLEST:
+        problems.append(f"--temperature must be 0 (greedy) or a finite number >= {SMALLEST:g}, got {temperature}")
     if top_k < 0:
         problems.append(f"--top-k must be >= 0 (0: all ids), got {top_k}")
     if math.isnan(top_p) or not 0 < top_p <= 1:
         problems.append(f"--top-p must be in (0, 1], got {top_p}")
-    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
-        problems.append(f"--repetition-penalty must be a finite number > 0 (1: none), got {repetition_penalty}")
+    if not SMALLEST <= repetition_penalty <= 1 / SMALLEST:
+        problems.append(f"--repetition-penalty must be from {SMALLEST:g} to {1 / SMALLEST:g} (1: none), got {repetition_penalty}")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -35,8 +35,17 @@ def describe(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, BadInput):
         return describe_os_error(e)
     if isinstance(e, (BadInput, Failed)):
-        return str(e)
+        return from_worker(str(e))
     return f"{type(e).__name__}: {e}"
+
+
+def from_worker(message: str) -> str:
+    """An error a DataLoader worker raised comes back with the worker's traceback as its message ("Caught
+    StoreError in DataLoader worker process 0. Original Traceback ..."): its last line, without the type."""
+    if message.startswith("Caught ") and " in DataLoader worker process " in message:
+        last = message.rstrip().rsplit("\n", 1)[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return message
 
 
 def cause_rank(e: BaseException, rank: int) -> int:

@@ -319,6 +319,12 @@ MUTANTS = (
     Mutant("store-source-recorded-as-its-copy", "a first-weights source in the store is recorded by its URL, not by the staging copy a fresh node lacks",
            "weights/sources.py", 'record = {"path": url or str(folder.resolve()),', 'record = {"path": str(folder.resolve()),',
            ("tests/test_object_storage.py::test_a_run_in_the_store_is_a_model_init_from_source_for_a_fresh_node_and_has_nothing_to_convert",)),
+    Mutant("staging-chunk-written-by-path", "a staging copy's chunks are checked and filled in the file the reader maps, not whatever the path names later",
+           "data/chunked.py", "            os.pwrite(self.fd, data, start)", "            os.pwrite(os.open(self.path, os.O_RDWR), data, start)",
+           ("tests/test_object_storage_data.py::test_a_staging_copy_packed_over_by_another_run_of_the_node_leaves_this_readers_rows_the_stores_bytes",)),
+    Mutant("parser-calls-unchecked", "a call the run's parser returns that a reply cannot carry is a 500 naming the parser, not a broken reply",
+           "cli/serve.py", '                json.dumps(call.get("arguments", {}), ensure_ascii=False, allow_nan=False)\n', "                pass\n",
+           ("tests/test_serve.py::test_a_parser_returning_a_call_no_reply_can_carry_gets_that_request_a_500_naming_it_streamed_or_not",)),
     Mutant("worker-pins-outlive-the-run", "the user code a run pinned ends with the run: a later run in the same interpreter pins its own",
            "train.py", "            WORKER.close()  # the user code this run pinned ends with it (objectives/worker.py)\n", "",
            ("tests/test_grpo.py::test_a_run_in_the_same_interpreter_pins_only_its_own_code_not_an_ended_runs",)),
@@ -774,7 +780,7 @@ MUTANTS = (
            ("tests/test_object_storage_data.py::test_a_packed_side_file_whose_bytes_changed_in_the_store_is_refused_as_it_comes_down_"
             "packed_again_and_put_back",)),
     Mutant("store-chunk-unverified", "a chunk of the packed rows read from the store is used only when its sha256 is the record's (I20, I33)",
-           "data/chunked.py", "                if got != want:\n", "                if False:\n",
+           "data/chunked.py", "            if got != want:\n", "            if False:\n",
            ("tests/test_object_storage_data.py::test_a_chunk_whose_bytes_changed_in_the_store_is_named_when_a_row_of_it_is_read_and_"
             "never_used",)),
     Mutant("store-client-shared-after-fork", "a forked DataLoader worker reads the store through a client of its own, not its parent's (I33)",

@@ -129,7 +129,7 @@ def together(house: Lighthouse, out: Path, args: list[str], envs: dict, **kw) ->
     """Launch the groups `envs` names (group -> its env or None), each held before its first quorum until every
     one is in the run: under load a group's start-up can lag by seconds, and a group that joins late heals into
     a later step instead of taking part from the first (the scene a test sets would not happen: seen in CI)."""
-    start = out.parent / f"{out.name}.start"
+    start = out.parent / f"{out.name}{kw.get('tag', '')}.start"
     procs = {}
     for g, env in envs.items():
         env = dict(env or {})
@@ -384,7 +384,7 @@ def test_a_hung_group_is_left_out_after_the_timeout_named_and_the_run_ends_bit_i
 def test_the_lighthouse_killed_and_restarted_the_groups_wait_for_it_and_end_bit_identical(tmp_path, lighthouse, ft_args, one_process):
     out = tmp_path / "run"
     gate = tmp_path / "gate"  # both groups ask for step 5's quorum only once the Lighthouse is down (a slow step
-    procs = {g: group(lighthouse, out, g, ft_args, env={"FT_GATE": f"5:{gate}"}) for g in range(2)}  # could miss it)
+    procs = together(lighthouse, out, ft_args, {g: {"FT_GATE": f"5:{gate}"} for g in range(2)})  # could miss it)
     wait_step(out, 4)
     lighthouse.stop()
     gate.touch()
@@ -398,7 +398,7 @@ def test_the_lighthouse_killed_and_restarted_the_groups_wait_for_it_and_end_bit_
 def test_the_lighthouse_gone_for_good_the_groups_stop_with_75_named_and_the_same_commands_resume_exactly(tmp_path, lighthouse, ft_args,
                                                                                                       one_process):
     out, args = tmp_path / "run", [*ft_args, "ft.quorum_timeout_s=4"]
-    procs = {g: group(lighthouse, out, g, args) for g in range(2)}
+    procs = together(lighthouse, out, args, {g: None for g in range(2)})
     for g in range(2):
         in_the_run(out, g)
     wait_step(out, 5)
@@ -412,7 +412,7 @@ def test_the_lighthouse_gone_for_good_the_groups_stop_with_75_named_and_the_same
 
 def test_a_group_launched_with_another_config_is_refused_at_the_heal_exit_2_naming_the_key(tmp_path, lighthouse, ft_args, one_process):
     out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
-    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": f"8:{tmp_path / 'gate'}"}) for g in range(2)}
+    procs = together(lighthouse, out, args, {g: {"FT_GATE": f"8:{tmp_path / 'gate'}"} for g in range(2)})
     wait_step(out, 3)
     odd = group(lighthouse, out, 2, [*args, "train.lr=0.001"])
     in_the_run(out, 2)
@@ -426,7 +426,7 @@ def test_a_group_launched_with_another_config_is_refused_at_the_heal_exit_2_nami
 
 def test_a_heal_whose_weights_do_not_arrive_as_sent_is_refused_naming_the_identity(tmp_path, lighthouse, ft_args, one_process):
     out, args = tmp_path / "run", [*ft_args, "checkpoint.interval=0"]
-    procs = {g: group(lighthouse, out, g, args, env={"FT_GATE": f"8:{tmp_path / 'gate'}"}) for g in range(2)}
+    procs = together(lighthouse, out, args, {g: {"FT_GATE": f"8:{tmp_path / 'gate'}"} for g in range(2)})
     wait_step(out, 3)
     bad = group(lighthouse, out, 2, args, env={"FT_CORRUPT_HEAL": "1"})
     in_the_run(out, 2)
@@ -470,8 +470,8 @@ def test_sft_under_live_recovery_a_group_lost_and_healed_ends_on_the_one_process
     ref = tmp_path / "ref"
     launch.run(0, *args, f"out_dir={ref}")
     out = tmp_path / "run"
-    procs = {g: group(lighthouse, out, g, args, groups=2, env={"FT_KILL": "gather:3"} if g == 1 else {"FT_GATE": f"6:{tmp_path / 'g'}"})
-             for g in range(2)}
+    procs = together(lighthouse, out, args, {g: {"FT_KILL": "gather:3"} if g == 1 else {"FT_GATE": f"6:{tmp_path / 'g'}"}
+                                             for g in range(2)}, groups=2)
     assert procs[1].wait(timeout=180) == -signal.SIGKILL
     procs["1b"] = group(lighthouse, out, 1, args, groups=2, tag="b")
     in_the_run(out, 1, "b")

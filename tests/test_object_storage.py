@@ -235,7 +235,17 @@ def test_a_run_in_the_store_is_a_model_init_from_source_for_a_fresh_node_and_has
     assert main(["convert", url]) == 0 and "nothing to convert" in capsys.readouterr().out
     code, err = launch.in_process(*short, f"model.init_from={url}-nothing-here", f"out_dir={tmp_path / 'bad'}")
     assert code == 2 and f"model.init_from: {url}-nothing-here: nothing there" in err and "Traceback" not in err, err
-    assert main(["convert", f"{url}-nothing-here"]) == 2
+    store_of(BUCKET).put(f"{RemotePath(url).key}-other/readme.txt", b"not a run")  # a prefix holding another kind of object
+    code, err = launch.in_process(*short, f"model.init_from={url}-other", f"out_dir={tmp_path / 'bad2'}")
+    assert code == 2 and f"model.init_from: {url}-other: holds no checkpoint of ours" in err and "Traceback" not in err, err
+    # one copy per step: reading the newest (step 2) leaves step 1's copy whole for whoever reads it
+    from weights.sources import local
+
+    newest, named = local(url, "model.init_from")
+    assert named == f"{url}/checkpoints/step_00000002" and newest.name == "step_00000002"
+    first, _ = local(f"{url}/checkpoints/step_00000001", "model.init_from")
+    assert (first / storage.MANIFEST).is_file() and (newest / storage.MANIFEST).is_file() and first != newest
+    assert main(["convert", f"{url}-nothing-here"]) == 2 and main(["convert", f"{url}/checkpoints/step_00000099"]) == 2
 
 
 # ---------------------------------------------------------------------------------------- bad input

@@ -259,6 +259,31 @@ def test_a_fresh_nodes_packed_rows_come_from_the_store_a_chunk_at_a_time_as_they
     assert all(torch_equal(again[i], theirs[i]) for i in [*picked, 7, 2000, 3000]) and store.bytes_read[key] == fetched
 
 
+@pytest.mark.unit
+def test_a_staging_copy_packed_over_by_another_run_of_the_node_leaves_this_readers_rows_the_stores_bytes(both, tmp_path, small_chunks,
+                                                                                                     monkeypatch):
+    """A reader checks and fills the file it opened, not whatever the path names later: another run of the node
+    packing the corpus over the staging copy (a new file at the path) leaves this reader's unread rows to come
+    from the store, verified, never the holes of the file it maps (found by review: rows of zeros trained on)."""
+    import os
+
+    from data.dataset import PackedDataset
+    from data.prepare import pack, resolve_source
+
+    local, url = both
+    cache = f"{url.rsplit('/', 1)[0]}/cache"
+    want, _ = pack(resolve_source(str(local), tmp_path), 32, tmp_path / "disk")
+    pack(resolve_source(url, tmp_path), 32, cache)
+    monkeypatch.setenv("MINIMIND_STAGING_DIR", str(tmp_path / "fresh"))
+    got, meta = pack(resolve_source(url, tmp_path), 32, cache)
+    rows, theirs = PackedDataset(got, 32, dtype=meta["dtype"]), PackedDataset(want, 32, dtype=meta["dtype"])
+    assert torch_equal(rows[5], theirs[5])
+    other = got.with_name("packed-over")
+    other.write_bytes(want.read_bytes())
+    os.replace(other, got)  # what an atomic repack of the same corpus does to the path
+    assert all(torch_equal(rows[i], theirs[i]) for i in (1000, 2000, len(rows) - 1))
+
+
 def torch_equal(a, b) -> bool:
     import torch
 

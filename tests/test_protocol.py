@@ -245,3 +245,22 @@ def test_a_rank_s_line_and_its_newline_go_out_in_one_write_so_two_ranks_lines_ne
     monkeypatch.setattr(sys, "stderr", Stream())
     say("reward did not return; exit 1")
     assert [w for w in writes if w] == ["[rank 1] rank 0 failed; exit 1\n", "reward did not return; exit 1\n"]
+
+
+@pytest.mark.unit
+def test_an_error_a_dataloader_worker_raised_is_said_in_its_own_one_line_not_the_workers_traceback():
+    """torch raises a worker's error again in the trainer with the worker's traceback as its message (found by
+    review: a store outage in a worker printed forty lines); the run says the error's own line."""
+    from torch._utils import ExceptionWrapper
+
+    from common.store import StoreError
+    from run.protocol import describe
+
+    said = "http://127.0.0.1:8333: GET s3://runs/c/cache/x.bin failed after 4 attempts (Could not connect to the endpoint URL)"
+    try:
+        raise StoreError(said)
+    except StoreError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(StoreError) as e:
+        wrapped.reraise()
+    assert str(e.value).startswith("Caught StoreError in DataLoader worker process 0") and describe(e.value) == said

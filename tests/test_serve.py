@@ -92,6 +92,8 @@ def test_a_seed_gives_the_same_sampled_reply_twice_and_another_seed_another(clie
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": ASK, "temperature": "hot"}, "temperature"),
     ({"messages": ASK, "temperature": 3}, "temperature"),
+    ({"messages": ASK, "temperature": 1e-40}, "temperature"),  # found by review: its NaN draw failed every reply batched with it
+    ({"messages": ASK, "repetition_penalty": 1e-40}, "repetition_penalty"),
     ({"messages": ASK, "top_p": 0}, "top_p"),
     ({"messages": ASK, "max_tokens": 1.5}, "max_tokens"),
     ({"messages": ASK, "max_tokens": 10_000}, "max_tokens"),
@@ -1014,7 +1016,7 @@ HERE = pathlib.Path(__file__).parent
 
 def said(text):
     """One call from any reply: the reply's text and this process's id. The file `mode` beside this one makes it
-    sleep 5 s (`slow`, saying when it starts and ends) or hang (`hang`)."""
+    sleep 5 s (`slow`, saying when it starts and ends), hang (`hang`), or return a call no reply can carry."""
     mode = (HERE / "mode").read_text() if (HERE / "mode").exists() else ""
     if mode == "slow":
         (HERE / "slow-started").touch()
@@ -1023,6 +1025,12 @@ def said(text):
     elif mode == "hang":
         (HERE / "hang-started").touch()
         time.sleep(3600)
+    elif mode == "set":
+        return [{"name": "said", "arguments": {1, 2}}]
+    elif mode == "nan":
+        return [{"name": "said", "arguments": {"x": float("nan")}}]
+    elif mode == "number":
+        return [{"name": 5, "arguments": {}}]
     return [{"name": "said", "arguments": {"text": text, "pid": os.getpid()}}]
 
 
@@ -1151,3 +1159,25 @@ def test_a_parser_that_hangs_past_its_timeout_gets_that_request_a_504_naming_it_
     (root / "mode").write_text("")
     reply = httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300).json()["choices"][0]
     assert reply["finish_reason"] == "tool_calls" and reply["message"]["tool_calls"][0]["function"]["name"] == "said"
+
+
+@pytest.mark.e2e
+def test_a_parser_returning_a_call_no_reply_can_carry_gets_that_request_a_500_naming_it_streamed_or_not(user_parser):
+    """Arguments that are not JSON (a set, NaN) or a name that is not a string: 500 parser_failed naming the parser,
+    streamed as the error chunk then [DONE] (found by review: a TypeError without a code, a stream cut short)."""
+    import httpx
+
+    server, root = user_parser
+    for mode in ("set", "nan", "number"):
+        (root / "mode").write_text(mode)
+        got = httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300)
+        error = got.json()["error"]
+        assert got.status_code == 500 and error["code"] == "parser_failed", (mode, got.text)
+        assert f"train.agent.parser={root / 'calls.py'}:said returned call 0" in error["message"], error
+        streamed = httpx.post(f"{server.url}/v1/chat/completions", json=asked(stream=True), timeout=300)
+        lines = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and events(streamed.text.splitlines())[-1]["error"]["code"] == "parser_failed", streamed.text
+    (root / "mode").write_text("")
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=asked(), timeout=300).json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls"
+

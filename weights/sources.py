@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -31,29 +32,43 @@ HF_WEIGHTS, HF_CONFIG, HF_GENERATION = "model.safetensors", "config.json", "gene
 
 def local(path: str | Path, key: str) -> tuple[Path, str | None]:
     """(a place to read the source at, the URL of the checkpoint it is when it lives in the store): a run
-    folder or checkpoint in object storage comes down to a verified copy in the staging folder (the
-    ranks of a node take turns: the first fetches, the others reuse its copy); a local path as it is."""
+    folder or checkpoint in object storage comes down to a verified copy in the staging folder, one folder
+    per step that nothing prunes or rewrites while a reader reads it (a published step never changes: a
+    step asked for again is read from its copy; the ranks of a node take turns, the first fetches); a
+    local path as it is."""
     from common.store import is_url, parse, staging_root
 
     if not is_url(path):
         return Path(path), None
     import fcntl
+    import shutil
 
     from checkpoint import remote
 
     run, step = remote.split(str(path))
     try:
         bucket, prefix = parse(run, key)
-        dest = staging_root() / ".sources" / bucket / prefix
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f"{dest.name}.lock", "w") as lock:
+        root = staging_root() / ".sources" / bucket / prefix
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
             fcntl.lockf(lock, fcntl.LOCK_EX)
-            copy = remote.fetch(run, dest, step)
+            if step and (root / step / storage.MANIFEST).is_file():
+                return root / step, f"{run}/{storage.CHECKPOINTS}/{step}"
+            copy = remote.fetch(run, root / ".fetch", step) / storage.CHECKPOINTS  # reused when the store's is the same
+            fetched = sorted(f for f in copy.iterdir() if storage.NAME.match(f.name)) if copy.is_dir() else []
+            if not fetched:
+                raise storage.NoCheckpoint(f"{path}: holds no checkpoint of ours")
+            final = root / fetched[-1].name
+            if not (final / storage.MANIFEST).is_file():  # linked, not copied: the fetch's copy may be pruned later
+                part = root / f".{final.name}.part"
+                shutil.rmtree(part, ignore_errors=True)
+                shutil.rmtree(final, ignore_errors=True)
+                shutil.copytree(fetched[-1], part, copy_function=os.link)
+                part.rename(final)
     except storage.NoCheckpoint as e:
-        raise WeightsError(f"{key}: {e} (in the store: a run folder or a checkpoint of ours; a Hugging Face folder or a "
-                           f"weights file there is read after downloading it)") from None
-    folder = next(f for f in sorted((copy / storage.CHECKPOINTS).iterdir()) if storage.NAME.match(f.name))
-    return folder, f"{run}/{storage.CHECKPOINTS}/{folder.name}"
+        raise WeightsError(f"{key}: {e} (expected in the store a run folder or a checkpoint of ours; a Hugging Face folder "
+                           f"or a weights file there is read after downloading it)") from None
+    return final, f"{run}/{storage.CHECKPOINTS}/{final.name}"
 
 
 def read_bytes_of(path: Path, key: str = "model.init_from") -> bytes:
