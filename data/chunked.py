@@ -32,14 +32,8 @@ FETCHES = 8
 
 
 class ChunkDamaged(Failed):
-    """A chunk of a packed file in the store whose bytes are not the ones its record names: exit 1."""
-
-    def __init__(self, message: str) -> None:
-        # Raised in a DataLoader worker, it is raised again in the trainer with the worker's traceback as
-        # its message ("Caught ChunkDamaged in DataLoader worker process 0 ..."), whose last line is ours.
-        if message.startswith("Caught ") and "ChunkDamaged: " in message:
-            message = message.rsplit("ChunkDamaged: ", 1)[1].strip()
-        super().__init__(message)
+    """A chunk of a packed file in the store whose bytes are not the ones its record names: exit 1 (met in a
+    DataLoader worker, said in its own line as any worker's error: run/protocol.py from_worker)."""
 
 
 def record_path(path: Path) -> Path:

@@ -787,10 +787,10 @@ MUTANTS = (
            "common/store.py", "os.register_at_fork(after_in_child=_own_clients_after_fork)\n", "pass\n",
            ("tests/test_object_storage_data.py::test_dataloader_workers_fetch_chunks_with_clients_of_their_own_and_a_damaged_one_is_named_"
             "in_one_line",)),
-    Mutant("store-chunk-damage-in-a-worker-traceback", "a damaged chunk met in a DataLoader worker is one line naming the object (I33)",
-           "data/chunked.py", '        if message.startswith("Caught ") and "ChunkDamaged: " in message:\n', "        if False:\n",
+    Mutant("store-chunk-damage-in-a-worker-traceback", "an error met in a DataLoader worker (a damaged chunk, the store down) is one line naming the object (I33)",
+           "run/protocol.py", '    if message.startswith("Caught ") and " in DataLoader worker process " in message:\n', "    if False:\n",
            ("tests/test_object_storage_data.py::test_dataloader_workers_fetch_chunks_with_clients_of_their_own_and_a_damaged_one_is_named_"
-            "in_one_line",)),
+            "in_one_line", "tests/test_protocol.py::test_an_error_a_dataloader_worker_raised_is_said_in_its_own_one_line_not_the_workers_traceback")),
     Mutant("store-cache-fetched-whole", "a fresh node reads the packed rows from the store a chunk at a time as it reads rows, not the whole file (I33)",
            "data/prepare.py", '            if "chunks" in entry:  #', '            if False:  #',
            ("tests/test_object_storage_data.py::test_a_fresh_nodes_packed_rows_come_from_the_store_a_chunk_at_a_time_as_they_are_read_"

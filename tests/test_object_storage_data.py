@@ -375,7 +375,10 @@ def test_dataloader_workers_fetch_chunks_with_clients_of_their_own_and_a_damaged
         assert torch.equal(x, torch.stack([theirs[i][0] for i in indices])) and torch.equal(y, torch.stack([theirs[i][1] for i in indices]))
     with pytest.raises(ChunkDamaged) as e:
         next(loader)
-    assert str(e.value).startswith(f"s3://{BUCKET}/{key}: bytes {20 * small_chunks}-") and "\n" not in str(e.value), str(e.value)
+    from run.protocol import describe
+
+    said = describe(e.value)  # what the run says of it (torch wraps a worker's error in the worker's traceback)
+    assert said.startswith(f"s3://{BUCKET}/{key}: bytes {20 * small_chunks}-") and "\n" not in said, said
     assert [(tmp_path / f"worker{w}").read_text() for w in (0, 1)] == ["True", "True"]
 
 
