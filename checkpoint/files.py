@@ -3,6 +3,7 @@ that hashes what torch.save (or anything) writes, a file written and fsynced wit
 and a file read once, whole, and returned only when the manifest vouches for its bytes."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import errno
 import fcntl
@@ -344,26 +345,35 @@ def writer_for(path) -> StreamWriter:
 
 class RangeReader:
     """An object in the store read front to back as a file (`readinto`, `read`), in ranged GETs of
-    at least one staging block, each retried on its own (common/store.py); the next range is fetched
-    while this one is consumed."""
+    one staging block each, retried on its own (common/store.py); up to AHEAD of the next ranges are
+    being fetched while this one is consumed (a GET's latency hidden behind the others, as a
+    multipart download keeps several parts in flight)."""
+
+    AHEAD = 4
 
     def __init__(self, path: RemotePath, size: int) -> None:
         self.store, self.key, self.size = path.store, path.key, size
-        self.pos, self.buf, self.start = 0, b"", 0
-        self.ahead: Future | None = None
+        self.pos, self.buf, self.start = 0, memoryview(b""), 0
+        self.ahead: collections.deque[tuple[int, Future]] = collections.deque()
+        self.next = 0  # where the next range requested starts
 
-    def _range(self, start: int) -> tuple[int, Future] | None:
-        n = min(STAGE_BLOCK, self.size - start)
-        return (start, _uploads.submit(self.store.get_range, self.key, start, n)) if n > 0 else None
+    def _request(self) -> None:
+        while len(self.ahead) < self.AHEAD and self.next < self.size:
+            n = min(STAGE_BLOCK, self.size - self.next)
+            self.ahead.append((self.next, _uploads.submit(self.store.get_range, self.key, self.next, n)))
+            self.next += n
 
     def _fill(self) -> bool:
         if self.pos >= self.size:
             return False
-        if self.ahead is None or self.ahead[0] != self.pos:
-            self.ahead = self._range(self.pos)
-        start, fut = self.ahead
-        self.buf, self.start = fut.result(), start
-        self.ahead = self._range(start + len(self.buf))
+        if self.ahead and self.ahead[0][0] != self.pos:  # not where the ranges in flight start: from here instead
+            self.close()
+        if not self.ahead:
+            self.next = self.pos
+        self._request()
+        start, fut = self.ahead.popleft()
+        self.buf, self.start = memoryview(fut.result()), start  # sliced without copies below
+        self._request()
         return True
 
     def readinto(self, view) -> int:
@@ -388,9 +398,8 @@ class RangeReader:
         return bytes(out[:got])
 
     def close(self) -> None:
-        if self.ahead is not None:
-            concurrent.futures.wait([self.ahead[1]])
-            self.ahead = None
+        concurrent.futures.wait([fut for _, fut in self.ahead])
+        self.ahead.clear()
 
     def __enter__(self):
         return self

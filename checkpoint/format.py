@@ -108,6 +108,17 @@ class FormatError(FileError):
     """A state file that cannot be used (unlisted, damaged, forged, refused): a CheckpointError."""
 
 
+def prepare() -> None:
+    """Import what a save and a load of DCP need (about half a second, once per process; the
+    states' own state_dict helpers among them), so that none of them pays it: the manager calls it
+    when it is made."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch._dynamo  # noqa: F401 - its state_dict helpers look a compiled module up in it (half a second more)
+
+    raw_item()
+
+
 def errors() -> tuple[type[BaseException], ...]:
     """What a DCP call raises: DCP's CheckpointException (every rank's failures gathered; a
     BaseException, so `except Exception` does not see it) or an ordinary exception."""

@@ -272,6 +272,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._staged: dict | None = None  # the buffers a background snapshot is copied into, reused
         self._dcp()  # the group now, while the set-up's store is there (a stop after the launcher died saves without it)
+        format.prepare()  # DCP's modules now, not in a save: a launch's first save is often a stop's (exit 75 before the notice ends)
 
     # ---------------------------------------------------------------- DCP's process group
     def _dcp(self) -> dict:
@@ -331,10 +332,14 @@ class CheckpointManager:
         out = []
         for folder in folders:
             try:
-                out.append((str(folder), store_of(folder.parent.parent).listed(folder), None, False))  # checkpoint.resume: any place
+                out.append((str(folder), self._store_of(folder).listed(folder), None, False))  # checkpoint.resume: any place
             except storage.CheckpointError as e:
                 out.append((str(folder), None, str(e), isinstance(e, storage.OldLayout)))
         return out
+
+    def _store_of(self, folder) -> storage.LocalStore | RemoteStore:
+        """The checkpoints a step folder is one of: this run's own (what it listed and read already), or another place's."""
+        return self.store if folder.parent == self.root else store_of(folder.parent.parent)
 
     @torch.no_grad()
     def load(self, states: dict[str, Stateful]) -> Resumed | None:
@@ -399,7 +404,7 @@ class CheckpointManager:
         key), CheckpointError when anything of it is unusable (damaged, forged, a link)."""
         meta_name = f"{format.STATE}/{format.METADATA}"
         data: Any = None
-        store = store_of(path.parent.parent)  # the folder's own kind: checkpoint.resume may name a place other than out_dir
+        store = self._store_of(path)  # the folder's own kind: checkpoint.resume may name a place other than out_dir
         src = store.files(path, manifest)  # where the listed files lie (the folder itself, or the save's prefix in the store)
         if self.comm.is_main:
             try:
@@ -451,11 +456,20 @@ class CheckpointManager:
             if others is not None and others.exception() is not None:
                 e = others.exception()
                 failed = str(e) if isinstance(e, storage.CheckpointError) else f"{path}: cannot be read ({type(e).__name__}: {e})"
+            # Plain tensors (no shards to gather): the optimizer's identity is taken in a helper thread while this
+            # one takes the model's, the two hashes on two cores instead of one after the other.
+            optimizer = target.get("optimizer")
+            plain = optimizer is not None and manifest.get("optimizer_sha256") is not None and \
+                all(type(t) is torch.Tensor for t in storage.optimizer_tensors(optimizer).values())
+            ahead = _hasher.submit(storage.optimizer_sha256, storage.optimizer_tensors(optimizer)) if plain else None
             try:  # on every rank alike, whatever failed above: a sharded state is gathered whole for them (a collective)
                 self._check_identity(path, manifest, target.get("model"))
-                self._check_optimizer(path, manifest, target.get("optimizer"))
+                self._check_optimizer(path, manifest, target.get("optimizer"), ahead)
             except storage.CheckpointError as e:
                 failed = failed or str(e)
+            finally:
+                if ahead is not None:
+                    concurrent.futures.wait([ahead])
             failures = [f for f in self.comm.all_gather(failed) if f]
             if failures:  # verified before applied: nothing of this checkpoint reached the run's states
                 raise storage.CheckpointError(failures[0])
@@ -502,15 +516,15 @@ class CheckpointManager:
             raise storage.CheckpointError(f"{path}: the loaded model's identity {got} is not the {manifest.get('model_sha256')} "
                                           f"its manifest recorded at the save: the state files' metadata is damaged")
 
-    def _check_optimizer(self, path: Path, manifest: dict, optimizer: dict | None) -> None:
+    def _check_optimizer(self, path: Path, manifest: dict, optimizer: dict | None, ahead: Future | None = None) -> None:
         """The optimizer state DCP filled has the identity the manifest recorded at the save
         (storage.optimizer_sha256), as the model's: else the checkpoint is unusable (one parameter's
         moments handed to another, the files' hashes rewritten to match). A manifest written before
-        optimizer identities has none to check."""
+        optimizer identities has none to check. `ahead`: that identity, being taken in a helper thread."""
         want = manifest.get("optimizer_sha256")
         if optimizer is None or want is None:
             return
-        got = storage.optimizer_sha256(storage.optimizer_tensors(optimizer))
+        got = ahead.result() if ahead is not None else storage.optimizer_sha256(storage.optimizer_tensors(optimizer))
         if got != want:
             raise storage.CheckpointError(f"{path}: the loaded optimizer state's identity {got} is not the {want} its manifest "
                                           f"recorded at the save: the state files or their metadata are damaged")

@@ -18,11 +18,13 @@ from the listing, and a load hashes every byte it reads. Our sha256 decides, nev
 """
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import hashlib
 import json
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from common.store import Conflict, RemotePath, StoreError, StoreRefused, describe_holder
@@ -33,6 +35,8 @@ from .files import CheckpointError, open_read, write_file
 log = logging.getLogger("minimind")
 POINTER = "latest.json"
 PRUNING = "pruning"
+_requests = ThreadPoolExecutor(max_workers=8, thread_name_prefix="store-request")
+"""Independent small requests of one step of the protocol, sent at once (the start's listing and manifests)."""
 
 
 class RemoteStore:
@@ -45,6 +49,7 @@ class RemoteStore:
         self.pointer_etag: str | None = None
         """The pointer's etag as this writer last saw or wrote it: the next advance must find it unchanged."""
         self._listing: dict[str, int] = {}
+        self._manifests: dict[str, dict] = {}  # the manifests read, by their step folder's URL
 
     # ------------------------------------------------------------------ listing
     def _list(self) -> dict[str, int]:
@@ -62,6 +67,10 @@ class RemoteStore:
                        if storage.MANIFEST in leaves and PRUNING not in leaves), key=lambda x: x[0], reverse=True)
 
     def read_manifest(self, folder: RemotePath) -> dict:
+        """The manifest of `folder`, checked (storage.check_manifest); one this store read before is not
+        fetched again: a manifest is created once, create-only, and only deleted (a pruned step)."""
+        if folder.url in self._manifests:
+            return copy.deepcopy(self._manifests[folder.url])
         got = folder.store.get((folder / storage.MANIFEST).key)  # the folder's own bucket (checkpoint.resume may name another)
         if got is None:
             raise CheckpointError(f"{folder / storage.MANIFEST}: missing")
@@ -72,6 +81,7 @@ class RemoteStore:
         body = storage.check_manifest(body, folder / storage.MANIFEST, folder.name)
         if not isinstance(body.get("objects"), str) or not storage.TOKEN.match(body["objects"]):
             raise CheckpointError(f"{folder / storage.MANIFEST}: no 'objects' prefix of its files (a manifest in the store names them)")
+        self._manifests[folder.url] = copy.deepcopy(body)
         return body
 
     def files(self, folder, manifest: dict):
@@ -114,27 +124,35 @@ class RemoteStore:
         finish the prunes cut short, delete the objects of saves that never published (a <save>
         prefix no manifest names). Returns what was removed."""
         removed = []
-        self.read_pointer()  # its etag: this writer's first advance must find it unchanged
-        for key, upload in self.store.uploads(f"{self.root.key}/"):
+        # Three requests at once: the pointer (its etag: this writer's first advance must find it unchanged),
+        # the unfinished uploads and the listing (which is of the objects those uploads never made).
+        pointer, uploads, listing = [_requests.submit(fn) for fn in (self.read_pointer, lambda: self.store.uploads(f"{self.root.key}/"),
+                                                                     self._list)]
+        pointer.result()
+        for key, upload in uploads.result():
             self.store.abort(key, upload)
             removed.append(f"{self.store.url(key)} (an unfinished upload)")
-        listing = self._list()
+        listing = listing.result()
         steps: dict[str, dict[str, list[str]]] = {}
         for key in listing:
             parts = key[len(self.root.key) + 1:].split("/", 2)
             if len(parts) >= 2 and storage.NAME.match(parts[0]):
                 steps.setdefault(parts[0], {}).setdefault(parts[1] if len(parts) == 3 else "", []).append(key)
+        # every published step's manifest, at once (kept: discovery reads them next)
+        leaves = {name: {k.rsplit("/", 1)[1] for k in groups.get("", [])} for name, groups in steps.items()}
+        manifests = {name: _requests.submit(self.read_manifest, self.root / name) for name in steps
+                     if storage.MANIFEST in leaves[name] and PRUNING not in leaves[name]}
+        concurrent.futures.wait(manifests.values())
         for name, groups in steps.items():
-            leaves = {k.rsplit("/", 1)[1] for k in groups.get("", [])}
             folder = self.root / name
-            if PRUNING in leaves:
+            if PRUNING in leaves[name]:
                 self._retire(folder, resumed=True)
                 removed.append(f"{folder} (a prune cut short)")
                 continue
             keep = None
-            if storage.MANIFEST in leaves:
+            if name in manifests:
                 try:
-                    keep = self.read_manifest(folder)["objects"]
+                    keep = manifests[name].result()["objects"]
                 except CheckpointError:
                     continue  # a damaged manifest: its folder is left whole for a person to look at
             for token, keys in groups.items():
@@ -253,6 +271,7 @@ class RemoteStore:
         """The `pruning` marker, then every file the manifest lists, then the manifest, then the marker."""
         if not resumed:
             self.store.put((folder / PRUNING).key, b"")
+        self._manifests.pop(folder.url, None)  # read again: what is deleted is what the store lists now
         try:
             body = self.read_manifest(folder)
         except CheckpointError:

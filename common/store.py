@@ -176,8 +176,12 @@ class Store:
                 session = boto3.session.Session()
                 region = session.region_name or "us-east-1"
                 # Our own retries (logged, bounded); botocore's CRC on every upload off: we send SHA-256 ourselves.
+                # Every body we upload carries its SHA-256 (x-amz-checksum-sha256, a signed header the store checks
+                # the bytes against: `put`, `part`), so the signature does not hash the body a second time
+                # (payload_signing_enabled off: what botocore itself does over https for a body with a checksum;
+                # over http it would hash every byte again for the signature).
                 config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60,
-                                max_pool_connections=32, s3={"addressing_style": "path"},
+                                max_pool_connections=32, s3={"addressing_style": "path", "payload_signing_enabled": False},
                                 request_checksum_calculation="when_required", response_checksum_validation="when_required")
                 self._client = session.client("s3", region_name=region, config=config)
             return self._client
@@ -255,11 +259,12 @@ class Store:
 
     def put(self, key: str, data: bytes, create: bool = False, if_match: str | None = None, sha256: str | None = None) -> str:
         """Write the object `key`; `create`: only if none is there (If-None-Match: *); `if_match`: only
-        if it is still that etag; `sha256` (hex): the store checks the bytes against it. Its etag."""
+        if it is still that etag. The store checks the bytes against their SHA-256 (`sha256`, hex, where
+        the caller has it; else taken here). Its etag."""
+        data = bytes(data)
         kwargs = {"IfNoneMatch": "*"} if create else {"IfMatch": if_match} if if_match else {}
-        if sha256:
-            kwargs["ChecksumSHA256"] = _b64(sha256)
-        return self.call("PUT", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=bytes(data), **kwargs)["ETag"]
+        kwargs["ChecksumSHA256"] = _b64(sha256 or hashlib.sha256(data).hexdigest())
+        return self.call("PUT", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=data, **kwargs)["ETag"]
 
     def count(self, key: str, n: int) -> None:
         with self._lock:

@@ -404,7 +404,7 @@ MUTANTS = (
            "checkpoint/manager.py", "            if manifest.get(\"format\", 0) >= 3:", "            if False:",
            ("tests/test_checkpoint_manager.py::test_a_format_3_manifest_without_its_identity_is_a_damaged_checkpoint_and_falls_back_naming_it",)),
     Mutant("optimizer-identity-unchecked", "what a resume loaded into the optimizer is what was saved: its identity is the manifest's (I30)",
-           "checkpoint/manager.py", "                self._check_optimizer(path, manifest, target.get(\"optimizer\"))\n", "",
+           "checkpoint/manager.py", "                self._check_optimizer(path, manifest, target.get(\"optimizer\"), ahead)\n", "",
            ("tests/test_checkpoint_manager.py::test_an_optimizer_state_whose_moments_were_swapped_with_the_files_hash_rewritten_is_refused_and_falls_back",)),
     Mutant("manifest-mac-unchecked", "with MINIMIND_CHECKPOINT_KEY set, a manifest without a valid MAC is not loaded (I35)",
            "checkpoint/storage.py", "    if key is None:\n        return\n    got = body.get(MAC)\n", "    return\n    got = body.get(MAC)\n",
