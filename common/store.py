@@ -136,7 +136,8 @@ def location(value):
 
 
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
-                "ServiceUnavailable", "TooManyRequests", "503", "500", "502", "504"}
+                "ServiceUnavailable", "TooManyRequests", "503", "500", "502", "504",
+                "BadDigest", "XAmzContentSHA256Mismatch"}  # bytes damaged on their way, refused by the store: sent again from ours
 
 
 def _b64(hex_digest: str) -> str:

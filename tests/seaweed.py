@@ -122,14 +122,15 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of the server that answers some requests itself with an
     error (throttling, a 5xx) and forwards the rest byte for byte (a request's signature covers its
     Host header, which the proxy passes on unchanged). `plan(method, path, n)` -> a status to answer
-    with instead of forwarding (n counts the requests so far), or None."""
+    with instead of forwarding (n counts the requests so far), or None; `damage(method, path, body)`
+    -> the body forwarded instead (bytes damaged on their way), where given."""
 
-    def __init__(self, target: Seaweed, plan) -> None:
+    def __init__(self, target: Seaweed, plan, damage=None) -> None:
         import http.server
         import threading
 
         proxy = self
-        self.plan, self.count, self.injected, self.sent = plan, 0, [], 0
+        self.plan, self.damage, self.count, self.injected, self.sent = plan, damage, 0, [], 0
         self.sent_for: dict[str, int] = {}
         """Bytes of the bodies sent back, per request path (`/BUCKET/KEY`, without the query)."""
         self._lock = threading.Lock()
@@ -164,7 +165,7 @@ class FaultProxy:
                     conn.putheader(k, v)
                 conn.endheaders()
                 if body:
-                    conn.send(body)
+                    conn.send(proxy.damage(self.command, self.path, body) if proxy.damage else body)
                 r = conn.getresponse()
                 data = r.read()
                 self.send_response(r.status)

@@ -83,6 +83,49 @@ def test_throttling_and_5xx_answers_are_retried_logged_and_change_nothing_and_pa
     assert [s for s, _ in RemoteStore(RemotePath(url)).list_steps()][0] == 6  # the previous step stands
 
 
+@pytest.mark.unit
+def test_bytes_damaged_on_their_way_are_refused_by_the_store_sent_again_and_the_step_verifies(s3_server, url, monkeypatch, caplog):
+    """Every body we upload carries its SHA-256 (a part of a multipart upload, a whole object): the store
+    refuses one damaged on its way (BadDigest), the request is sent again from our intact bytes (logged), and
+    the step published is the one saved. The signature does not hash the bodies (common/store.py): this
+    checksum is what binds the bytes to the request."""
+    import seaweed
+    import torch
+
+    import common.store
+    from checkpoint import CheckpointConfig, CheckpointManager, ModelState
+    from test_checkpoint_manager import Counter, OneProcess, Train, meta
+
+    damaged = []
+
+    def damage(method, path, body):  # one byte of the first part and of the fp16 weights' object (one PUT), once each
+        what = "part" if "partNumber=" in path else "weights" if "weights_fp16" in path else None
+        if method != "PUT" or what is None or what in damaged:
+            return body
+        damaged.append(what)
+        return body[:1000] + bytes([body[1000] ^ 1]) + body[1001:]
+
+    proxy = seaweed.FaultProxy(s3_server, lambda method, path, n: None, damage=damage)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setattr(common.store, "_stores", {})  # this process's clients made again, through the proxy
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1600, 1600)  # 10 MB of fp32 state: its state file is a multipart upload of two parts
+        mgr = CheckpointManager(CheckpointConfig(keep=2), url, OneProcess(), meta())
+        assert mgr.load({}) is None
+        mgr.save(1, {"model": ModelState(model), "counter": Counter(7), "train": Train(1)}, background=False)
+        mgr.close()
+    finally:
+        proxy.close()
+    assert sorted(damaged) == ["part", "weights"]
+    retried = [r.getMessage() for r in caplog.records if "BadDigest" in r.getMessage()]
+    assert len(retried) == 2 and all("retry 1 of" in m for m in retried), retried
+    fresh = torch.nn.Linear(1600, 1600)
+    loaded = {"model": ModelState(fresh), "counter": Counter(), "train": Train()}
+    assert CheckpointManager(CheckpointConfig(), url, OneProcess(), meta()).load(loaded).step == 1
+    assert torch.equal(fresh.weight, model.weight) and loaded["counter"].value == 7
+
+
 BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
 """A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
 
