@@ -600,6 +600,7 @@ class Engine:
         self.closed = False
         self.served = self.cancelled = 0
         self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
+        self.pool = None  # the slots' keys and values (model/decode.py's KVPool), made by the worker
 
     def start(self) -> None:
         self.thread.start()
@@ -630,8 +631,13 @@ class Engine:
                     "served": self.served, "cancelled": self.cancelled}
 
     def _run(self) -> None:
+        import torch
+
+        from model.decode import KVPool
         from model.generate import Generation, step_together
 
+        with torch.inference_mode():
+            self.pool = KVPool(self.model, self.slots)
         while True:
             with self.cond:
                 while not self.closed and not self.waiting and not self.active:
@@ -651,7 +657,7 @@ class Engine:
                     if job.gen is None:  # the prefill happens in its first step, below
                         job.gen = Generation(self.model, job.prompt, r.max_tokens, r.temperature, r.top_k, r.top_p,
                                              r.repetition_penalty, self.tok.eos, True, r.seed if job.seed is None else job.seed,
-                                             keep_prompt_logits=r.echo and r.logprobs is not None)
+                                             keep_prompt_logits=r.echo and r.logprobs is not None, pool=self.pool)
                         job.text = TextStream(self.tok, r.stop)
                     live.append(job)
                 except Exception as e:  # noqa: BLE001 - one request's failure ends it, not the server
@@ -685,6 +691,8 @@ class Engine:
             self._end(job, None)
 
     def _end(self, job: Job, finish: str | None) -> None:
+        if job.gen is not None:
+            job.gen.close()  # its slot of the pool, for the next
         with self.cond:
             self.active.remove(job)
             self.served += finish is not None

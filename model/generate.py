@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import decode
+from .decode import KVPool, decode
 from .model import KVCache, MiniMindLM
 
 
@@ -130,7 +130,7 @@ class Generation:
     def __init__(self, model: MiniMindLM, prompt: list[int], max_new_tokens: int | None = None,
                  temperature: float = DEFAULTS.temperature, top_k: int = DEFAULTS.top_k, top_p: float = DEFAULTS.top_p,
                  repetition_penalty: float = DEFAULTS.repetition_penalty, eos: int | None = None,
-                 use_cache: bool = True, seed: int = 0, keep_prompt_logits: bool = False) -> None:
+                 use_cache: bool = True, seed: int = 0, keep_prompt_logits: bool = False, pool: KVPool | None = None) -> None:
         limit = model.cfg.seq_len
         if not prompt:
             raise ValueError("the prompt is empty (at least one id, e.g. BOS)")
@@ -148,7 +148,7 @@ class Generation:
         self.device = model.tok_embeddings.weight.device
         self.generator = torch.Generator().manual_seed(seed)
         self.ids = list(prompt)
-        self.cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+        self.cache = (pool or KVPool(model)).take() if use_cache else None  # a slot of the caller's pool, or of its own
         self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)  # the prefill's
         self.done = max_new_tokens == 0
         self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)
@@ -202,6 +202,12 @@ class Generation:
         return nxt
 
 
+    def close(self) -> None:
+        """Give the cache's slot back to its pool (a server's sequence that ended)."""
+        if self.cache is not None and self.cache.pool is not None:
+            self.cache.pool.release(self.cache)
+
+
 def take_together(gens: list[Generation], logits: torch.Tensor) -> list[int | None]:
     """Each sequence's take() of its row of `logits` (R, vocab), the rows filtered together (sample_rows: each
     row's draw the one it gets alone, from its own generator)."""
@@ -222,12 +228,14 @@ def step_together(gens: list[Generation]) -> list[int | None]:
     for k, g in enumerate(gens):
         if k not in batch:
             out[k] = g.step()
-    if batch:
-        first = gens[batch[0]]
-        rows = decode(first.model, [gens[k].ids[-1] for k in batch], [gens[k].cache for k in batch])
-        for k in batch:
+    pools: dict[int, list[int]] = {}
+    for k in batch:  # one forward per pool (a server's sequences share one; generations of their own each have theirs)
+        pools.setdefault(id(gens[k].cache.pool), []).append(k)
+    for group in pools.values():
+        rows = decode(gens[group[0]].model, [gens[k].ids[-1] for k in group], [gens[k].cache for k in group])
+        for k in group:
             gens[k].last_id = None
-        for k, nxt in zip(batch, take_together([gens[k] for k in batch], rows)):
+        for k, nxt in zip(group, take_together([gens[k] for k in group], rows)):
             out[k] = nxt
     return [out[k] for k in range(len(gens))]
 

@@ -186,12 +186,11 @@ class Block(nn.Module):
 
 
 class LayerCache:
-    """One layer's keys and values of the positions generated so far, in tensors allocated once."""
+    """One layer's keys and values of the positions generated so far, in tensors allocated once (B, KV heads,
+    positions, head_dim): its own, or a slot of a pool's (model/decode.py's KVPool)."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        self.k = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v, self.length = k, v, 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
@@ -205,8 +204,10 @@ class KVCache:
 
     def __init__(self, model: "MiniMindLM", batch: int = 1, max_len: int | None = None) -> None:
         cfg, p = model.cfg, model.tok_embeddings.weight
-        max_len = max_len or cfg.seq_len
-        self.layers = [LayerCache(batch, cfg.n_kv_heads, max_len, cfg.head_size, p.dtype, p.device) for _ in range(cfg.n_layers)]
+        shape = (batch, cfg.n_kv_heads, max_len or cfg.seq_len, cfg.head_size)
+        self.layers = [LayerCache(torch.empty(shape, dtype=p.dtype, device=p.device), torch.empty(shape, dtype=p.dtype, device=p.device))
+                       for _ in range(cfg.n_layers)]
+        self.pool, self.slot = None, None  # a KVPool's slot (model/decode.py) or a cache of its own
 
     @property
     def length(self) -> int:

@@ -618,6 +618,17 @@ MUTANTS = (
     Mutant("batch-without-fixed-block", "a reply's bits do not depend on the replies decoded beside it (every linear through a fixed row block)",
            "model/decode.py", "    pad = -r % ROW_BLOCK\n", "    pad = 0\n",
            ("tests/test_serve.py::test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way",)),
+    Mutant("decode-attention-padded-to-the-batch", "a reply's bits do not depend on the replies decoded beside it (each sequence "
+           "attends over its own keys, not over the batch's longest padded and masked)",
+           "model/decode.py", "        y = torch.cat([F.scaled_dot_product_attention(q[s], keys[slot:slot + 1, :, :n], values[slot:slot + 1, :, :n])\n"
+           "                       for s, (slot, n) in enumerate(zip(slots, ends))])\n",
+           "        m = max(ends)\n        seen = (torch.arange(m) < torch.tensor(ends)[:, None])[:, None, :, None]\n"
+           "        y = F.scaled_dot_product_attention(torch.cat(q), torch.where(seen, keys[where, :, :m], 0.0), "
+           "torch.where(seen, values[where, :, :m], 0.0), attn_mask=seen.transpose(-1, -2))\n",
+           ("tests/test_serve.py::test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way",)),
+    Mutant("kv-slot-never-freed", "a reply that ends gives its KV slot back to the server's pool",
+           "model/decode.py", "            self.free.append(cache.slot)\n", "            pass\n",
+           ("tests/test_serve.py::test_a_finished_replys_kv_slot_serves_the_next_and_the_replies_are_generate_ids_own",)),
     Mutant("mix-not-furthest-behind", "a mix's next sample comes from the source furthest behind its share (Megatron's rule)",
            "data/mix.py", "        return errors.index(max(errors))\n", "        return errors.index(min(errors))\n",
            ("tests/test_mix.py::test_the_interleave_takes_the_next_sample_from_the_source_furthest_behind_its_share",)),

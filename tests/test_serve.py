@@ -769,13 +769,16 @@ def serve(target, others, join_after):
     mine = Job(request(*target[1:]), target[0], seen[0].append)
     engine.submit(*jobs) if jobs else None
     engine.start()
+    over = ("end", "error")  # a failed reply (NaN logits, an exception) ends too: the comparison below fails it
     while jobs and not all(j.gen is not None and len(j.gen.ids) - len(j.prompt) >= join_after for j in jobs
-                           if not (seen[jobs.index(j) + 1] and seen[jobs.index(j) + 1][-1][0] == "end")):
+                           if not (seen[jobs.index(j) + 1] and seen[jobs.index(j) + 1][-1][0] in over)):
         time.sleep(0.001)
     engine.submit(mine)
-    while any(not s or s[-1][0] != "end" for s in seen):
+    while any(not s or s[-1][0] not in over for s in seen):
         time.sleep(0.005)
     engine.close()
+    if seen[0][-1][0] == "error":
+        return {"error": seen[0][-1][1]}
     return {"ids": mine.gen.ids[len(mine.prompt):], "entries": [[i, lp] for i, lp, _ in mine.entries]}
 
 prompts = [[tok.bos, *t.encode()] for t in ("a", "the second prompt, longer", "3 + 4 =", "Once upon a time there was",
@@ -809,6 +812,42 @@ def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_leng
         assert case["alone"]["ids"] == case["generate"] and len(case["alone"]["ids"]) > 10
         for among in case["among"]:
             assert among == case["alone"]  # ids and every log-probability, bit for bit
+
+
+@pytest.mark.unit
+def test_a_finished_replys_kv_slot_serves_the_next_and_the_replies_are_generate_ids_own():
+    """The engine's KV pool (model/decode.py's KVPool) has --slots slots: a reply that ends, is cancelled or fails
+    gives its slot back, so 7 requests through 2 slots all end, each with the ids generate_ids gives it alone,
+    and every slot is free again after."""
+    from cli.serve import ChatRequest, Engine, Job
+    from data.tokenizer import ByteTokenizer
+    from model import MiniMindLM, ModelConfig
+    from model.generate import generate_ids
+
+    torch.manual_seed(0)
+    model = MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=259)).eval()
+    tok, engine = ByteTokenizer(), None
+    prompts = [[tok.bos, *f"prompt {k}".encode()] for k in range(7)]
+    seen = [[] for _ in prompts]
+    jobs = [Job(ChatRequest(messages=[], temperature=0.9, top_p=0.95, top_k=0, repetition_penalty=1.1, max_tokens=5 + 3 * k,
+                            stop=[], seed=k, stream=False, include_usage=False, logprobs=None), p, seen[k].append)
+            for k, p in enumerate(prompts)]
+    try:
+        engine = Engine(model, tok, slots=2, queue=16, every=0)
+        engine.start()
+        engine.submit(*jobs[:5])
+        deadline = time.monotonic() + 30
+        while not all(s and s[-1][0] == "end" for s in seen[:5]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.submit(*jobs[5:])
+        while not all(s and s[-1][0] == "end" for s in seen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        engine.close()
+    assert [s[-1][0] for s in seen] == ["end"] * 7
+    for k, job in enumerate(jobs):
+        assert job.gen.ids == generate_ids(model, prompts[k], 5 + 3 * k, 0.9, 0, 0.95, 1.1, tok.eos, True, k)
+    assert sorted(engine.pool.free) == [0, 1]
 
 
 def _one_row(logits, seen, temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0, generator=None):
