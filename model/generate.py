@@ -51,8 +51,11 @@ def sample_rows(logits: torch.Tensor, samplings: list[Sampling], seen: list[torc
     x, n = logits.float(), logits.shape[0]
     vocab = x.shape[-1]
 
-    def setting(values: list[float]) -> float | torch.Tensor:  # an op on a float is the op on its float32 (measured)
-        return values[0] if len(set(values)) == 1 else torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+    def setting(values: list[float]) -> torch.Tensor:
+        # Always a tensor of the rows' values, never a Python float when the rows agree: on CUDA a division by a
+        # CPU scalar is a multiplication by its inverse (another last bit), so a row's bits would depend on
+        # whether its neighbours share its setting. On this CPU both are the same bits (the referee test).
+        return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
 
     def rows_of(t: torch.Tensor, at: list[int]) -> torch.Tensor:
         return t if len(at) == t.shape[0] else t[at]
