@@ -587,6 +587,27 @@ STREAM_EVERY_S = 0.02
 chunks than one per token cost the generation thread less (docs/serving.md, "Several clients")."""
 
 
+def kv_pool(model, slots: int):
+    """model/decode.py's KVPool of `slots` slots of model.seq_len positions; one the device cannot hold is a
+    CommandError naming --slots and the bytes it needs (found by review: made by the worker thread, its failure
+    killed that thread and every request then waited forever)."""
+    import torch
+
+    from model.decode import KVPool
+
+    from .arguments import CommandError
+
+    cfg = model.cfg
+    need = 2 * cfg.n_layers * slots * cfg.n_kv_heads * cfg.seq_len * cfg.head_size * model.tok_embeddings.weight.element_size()
+    try:
+        with torch.inference_mode():
+            return KVPool(model, slots)
+    except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors are RuntimeErrors
+        raise CommandError(f"--slots {slots}: the KV pool of {slots} slots x model.seq_len={cfg.seq_len} positions needs "
+                           f"{need / 2**30:.2f} GiB on {model.tok_embeddings.weight.device}, which could not be allocated "
+                           f"({str(e).splitlines()[0][:200]}): ask for fewer slots") from None
+
+
 class Engine:
     """The model's one worker thread: jobs wait in a queue (at most `queue`), `slots` of them are
     generated together, one id each per turn from one batch-invariant forward (a new one's prefill
@@ -600,7 +621,7 @@ class Engine:
         self.closed = False
         self.served = self.cancelled = 0
         self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
-        self.pool = None  # the slots' keys and values (model/decode.py's KVPool), made by the worker
+        self.pool = kv_pool(model, slots)  # the slots' keys and values, made here: a pool that cannot be is said at the start
 
     def start(self) -> None:
         self.thread.start()
@@ -631,13 +652,8 @@ class Engine:
                     "served": self.served, "cancelled": self.cancelled}
 
     def _run(self) -> None:
-        import torch
-
-        from model.decode import KVPool
         from model.generate import Generation, step_together
 
-        with torch.inference_mode():
-            self.pool = KVPool(self.model, self.slots)
         while True:
             with self.cond:
                 while not self.closed and not self.waiting and not self.active:
@@ -1115,10 +1131,10 @@ def run(args) -> int:
         sock.close()
         raise OSError(e.errno, f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     port = sock.getsockname()[1]
+    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes, tool_parser(folder))  # its KV pool: one too big is said here
     where = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"serve: {name} ({model.num_parameters():,} parameters, context {model.cfg.seq_len}) at http://{where}:{port}/v1 "
           f"({args.slots} slots, queue {args.queue}{', API key required' if api_key else ''}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    app = make_app(model, tok, name, api_key, args.slots, args.queue, args.max_request_bytes, tool_parser(folder))
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0

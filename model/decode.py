@@ -6,7 +6,8 @@ M' rows: under MKL's default branch, a row's result changes with the number of r
 (tests/test_serve.py measures it: `MKL_CBWR=AUTO`, 2 to 8 rows). So every linear layer here sees
 exactly ROW_BLOCK rows: the batch's rows padded with zeros to a multiple of ROW_BLOCK and multiplied
 one block at a time. A row's result then depends on nothing but itself (measured: equal bits at every
-batch size, row position and thread count). The rest of a step is row-wise already (embedding,
+batch size and row position on a given thread count; across thread counts a wide layer may split its
+sums otherwise). The rest of a step is row-wise already (embedding,
 RMSNorm, the elementwise SwiGLU, and rotary: each row times its own position's cos and sin, all rows
 in one elementwise op). Every sequence's keys and values sit in a slot of a KVPool, where one op per
 layer appends the batch's new positions; attention then runs per sequence over its own slot's

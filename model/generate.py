@@ -158,6 +158,7 @@ class Generation:
         self.keep_prompt_logits, self.prompt_logits = keep_prompt_logits, None  # the prompt's own (L-1, vocab) logits, once computed
         self.last_id, self.last_logits = None, None  # the id the last step drew (EOS too) and the logits it drew it from
         self.seen_ids: torch.Tensor | None = None  # the ids so far as a bool row, for the penalty (seen())
+        self.closed = False  # close() gave the slot back
 
     @torch.inference_mode()
     def step(self) -> int | None:
@@ -167,6 +168,7 @@ class Generation:
         self.last_id = None
         if self.done:
             return None
+        self.check_open()
         if self.use_cache and self.cache.length:
             return self.take(decode(self.model, [self.ids[-1]], [self.cache])[0])
         if self.use_cache:
@@ -204,11 +206,17 @@ class Generation:
         self.finish = "length" if self.done else None
         return nxt
 
-
     def close(self) -> None:
-        """Give the cache's slot back to its pool (a server's sequence that ended)."""
+        """Give the cache's slot back to its pool (a server's sequence that ended); no step after."""
         if self.cache is not None and self.cache.pool is not None:
             self.cache.pool.release(self.cache)
+        self.closed = True
+
+    def check_open(self) -> None:
+        """A step after close() is refused: its slot may be another sequence's now, whose keys and values its
+        prefill would overwrite (found by review)."""
+        if self.closed:
+            raise RuntimeError("this generation was closed: its KV slot went back to the pool, so it cannot step again")
 
 
 def take_together(gens: list[Generation], logits: torch.Tensor) -> list[int | None]:
@@ -227,6 +235,9 @@ def step_together(gens: list[Generation]) -> list[int | None]:
     (model.decode: batch-invariant, so each row is the bits it gets alone) and their next ids drawn together
     (take_together); a fresh one's prefill runs alone."""
     out: dict[int, int | None] = {}
+    for g in gens:  # before any of them steps
+        if not g.done:
+            g.check_open()
     batch = [k for k, g in enumerate(gens) if not g.done and g.use_cache and g.cache.length]
     for k, g in enumerate(gens):
         if k not in batch:

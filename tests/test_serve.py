@@ -743,18 +743,20 @@ torch.manual_seed(0)
 model = MiniMindLM(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=256, vocab_size=259)).eval()
 tok = ByteTokenizer()
 
-# the linear layers through the fixed block: each row's bits whatever the rows beside it, its place and the threads
-w, x = model.layers[0].feed_forward.w1, torch.randn(1, 64)
-plain, block = set(), set()
+# the linear layers through the fixed block: each row's bits whatever the rows beside it and its place, on a
+# thread count (the widest, the FFN's down projection: across thread counts its sums may split otherwise)
+w = model.layers[0].feed_forward.w2
+x = torch.randn(1, w.in_features)
+plain, block = set(), {1: set(), 2: set()}
 for threads in (1, 2):
     torch.set_num_threads(threads)
     for n in range(1, 2 * ROW_BLOCK + 2):
         for at in range(n):
-            rows = torch.randn(n, 64)
+            rows = torch.randn(n, w.in_features)
             rows[at] = x[0]
             with torch.no_grad():
                 plain.add(w(rows)[at].numpy().tobytes())
-                block.add(blocked(w, rows)[at].numpy().tobytes())
+                block[threads].add(blocked(w, rows)[at].numpy().tobytes())
 torch.set_num_threads(2)
 
 def request(seed, temperature, tokens):
@@ -783,7 +785,8 @@ def serve(target, others, join_after):
 
 prompts = [[tok.bos, *t.encode()] for t in ("a", "the second prompt, longer", "3 + 4 =", "Once upon a time there was",
                                                  "x" * 60, "def f(x):", "日本語のテキスト", "zz")]
-out = {"plain_variants": len(plain), "block_variants": len(block), "cases": []}
+out = {"plain_variants": len(plain), "block_variants": max(map(len, block.values())), "across_threads": len(block[1] | block[2]),
+       "cases": []}
 for target in ((prompts[1], 5, 0.0, 40), (prompts[2], 7, 0.9, 40)):
     alone = serve(target, [], 0)
     case = {"alone": alone, "generate": generate_ids(model, target[0], 40, target[2], 0, 0.95, 1.1, tok.eos, True, target[1])[len(target[0]):],
@@ -800,7 +803,7 @@ print(json.dumps(out))
 def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_lengths_joining_mid_way():
     """Batched decoding under MKL's fast default branch (MKL_CBWR=AUTO, where a plain matmul's row changes
     with the rows beside it): every linear through the fixed row block gives each row the same bits at every
-    batch size, place and thread count, and a greedy and a seeded reply - ids and log-probabilities - are the
+    batch size and place on 1 thread and on 2 (not the same on both: printed), and a greedy and a seeded reply - ids and log-probabilities - are the
     same alone, beside 1, 3 and 7 others of other lengths, joining mid-way, and from `generate`'s loop."""
     env = {**ENV, "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(launch.ROOT)}
     proc = subprocess.run([launch.PY, "-c", INVARIANCE], cwd=launch.ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -808,6 +811,7 @@ def test_a_reply_is_the_same_bits_alone_and_among_1_3_and_7_others_of_other_leng
     out = json.loads(proc.stdout)
     assert out["block_variants"] == 1, out["block_variants"]
     print("rows' bit patterns of a plain matmul beside other rows:", out["plain_variants"])
+    print("a blocked row's bit patterns over 1 and 2 threads together:", out["across_threads"])
     for case in out["cases"]:
         assert case["alone"]["ids"] == case["generate"] and len(case["alone"]["ids"]) > 10
         for among in case["among"]:
@@ -848,6 +852,51 @@ def test_a_finished_replys_kv_slot_serves_the_next_and_the_replies_are_generate_
     for k, job in enumerate(jobs):
         assert job.gen.ids == generate_ids(model, prompts[k], 5 + 3 * k, 0.9, 0, 0.95, 1.1, tok.eos, True, k)
     assert sorted(engine.pool.free) == [0, 1]
+
+
+@pytest.mark.unit
+def test_a_kv_pool_the_machine_cannot_hold_is_a_command_error_naming_slots_before_serving_not_a_dead_worker():
+    """The pool (--slots x model.seq_len positions per layer) is made when the app is, so one too big is said
+    at the start (found by review: the worker made it, its failure killed the worker and every request then
+    waited forever while /health said ok)."""
+    from cli.arguments import CommandError
+    from cli.serve import make_app
+    from data.tokenizer import ByteTokenizer
+    from model import MiniMindLM, ModelConfig
+
+    model = MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=259)).eval()
+    slots = 10**11  # 4e14 bytes a layer's keys: past any machine's memory and x86-64's 2**47 bytes of address space
+    with pytest.raises(CommandError, match=r"--slots 100000000000: the KV pool of 100000000000 slots x model.seq_len=64 "
+                                           r"positions needs .* GiB on cpu, which could not be allocated"):
+        make_app(model, ByteTokenizer(), "m", slots=slots)
+    app = make_app(model, ByteTokenizer(), "m", slots=3)
+    assert sorted(app.state.engine.pool.free) == [0, 1, 2]  # made with the app, before its worker starts
+
+
+@pytest.mark.unit
+def test_a_closed_generation_cannot_step_into_the_slot_another_sequence_took_alone_or_together():
+    """close() gives the slot back; a step after it is refused (its prefill would write into the keys of the
+    sequence that took the slot next), alone or in step_together, before any sequence of the turn steps: the
+    other sequence's ids stay generate_ids' own (found by review)."""
+    from model import MiniMindLM, ModelConfig
+    from model.decode import KVPool
+    from model.generate import Generation, generate_ids, step_together
+
+    torch.manual_seed(0)
+    model = MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=259)).eval()
+    pool = KVPool(model, 1)
+    old = Generation(model, [1, 5, 6, 7], 10, 0.9, 0, 0.95, 1.0, None, True, 3, pool=pool)
+    old.close()
+    new = Generation(model, [1, 9, 8], 10, 0.9, 0, 0.95, 1.0, None, True, 4, pool=pool)  # the slot old gave back
+    assert new.cache.slot == 0 and old.cache.pool is None
+    new.step()
+    for step in (old.step, lambda: step_together([new, old])):
+        with pytest.raises(RuntimeError, match="this generation was closed"):
+            step()
+    assert len(new.ids) == 4  # step_together refused before new stepped
+    while new.step() is not None:
+        pass
+    assert new.ids == generate_ids(model, [1, 9, 8], 10, 0.9, 0, 0.95, 1.0, None, True, 4)
 
 
 def _one_row(logits, seen, temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0, generator=None):
