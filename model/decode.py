@@ -44,12 +44,12 @@ def blocked(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class KVPool:
     """The keys and values of up to `slots` sequences decoded together: per layer one tensor (slots, KV heads,
-    model.seq_len, head_dim), a sequence's KVCache a view of its slot (take; release frees it), so a step
+    `positions` (default model.seq_len), head_dim), a sequence's KVCache a view of its slot (take; release frees it), so a step
     appends every sequence's new key and value in one op per layer."""
 
-    def __init__(self, model: MiniMindLM, slots: int = 1) -> None:
+    def __init__(self, model: MiniMindLM, slots: int = 1, positions: int | None = None) -> None:
         cfg, p = model.cfg, model.tok_embeddings.weight
-        shape = (slots, cfg.n_kv_heads, cfg.seq_len, cfg.head_size)
+        shape = (slots, cfg.n_kv_heads, positions or cfg.seq_len, cfg.head_size)  # a lone sequence's: just its own length
         self.k = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layers)]
         self.v = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layers)]
         self.free = list(range(slots - 1, -1, -1))

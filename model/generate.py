@@ -151,7 +151,8 @@ class Generation:
         self.device = model.tok_embeddings.weight.device
         self.generator = torch.Generator().manual_seed(seed)
         self.ids = list(prompt)
-        self.cache = (pool or KVPool(model)).take() if use_cache else None  # a slot of the caller's pool, or of its own
+        # a slot of the caller's pool, or of its own of this sequence's positions (not model.seq_len: found by review)
+        self.cache = (pool or KVPool(model, 1, len(prompt) + max_new_tokens)).take() if use_cache else None
         self.next_input = torch.tensor([self.ids], dtype=torch.long, device=self.device)  # the prefill's
         self.done = max_new_tokens == 0
         self.finish = "length" if self.done else None  # how it ended: "stop" (EOS came), "length" (no tokens left)

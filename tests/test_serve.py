@@ -899,6 +899,29 @@ def test_a_closed_generation_cannot_step_into_the_slot_another_sequence_took_alo
     assert new.ids == generate_ids(model, [1, 9, 8], 10, 0.9, 0, 0.95, 1.0, None, True, 4)
 
 
+@pytest.mark.unit
+def test_a_lone_generations_cache_holds_its_own_positions_not_the_models_context_and_gives_the_pools_bits():
+    """generate and chat decode in a pool of their own, sized to the prompt and its new tokens (model.seq_len
+    each time was a long-context model's whole context per call; found by review), with the bits a slot of the
+    server's pool (model.seq_len positions, another slot) gives the same request."""
+    from model import MiniMindLM, ModelConfig
+    from model.decode import KVPool
+    from model.generate import Generation
+
+    torch.manual_seed(0)
+    model = MiniMindLM(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=512, vocab_size=259)).eval()
+    alone = Generation(model, [1, 5, 6, 7], 12, 0.9, 0, 0.95, 1.1, None, True, 3)
+    assert [tuple(layer.k.shape) for layer in alone.cache.layers] == [(1, 2, 4 + 12, 8)] * 2
+    pool = KVPool(model, 3)
+    pool.take()
+    served = Generation(model, [1, 5, 6, 7], 12, 0.9, 0, 0.95, 1.1, None, True, 3, pool=pool)
+    assert served.cache.slot == 1 and served.cache.layers[0].k.shape[2] == 512
+    while alone.step() is not None:
+        served.step()
+        assert torch.equal(alone.last_logits, served.last_logits)
+    assert alone.ids == served.ids and len(alone.ids) == 16
+
+
 def _one_row(logits, seen, temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0, generator=None):
     """The referee: the one-row rule every reply was drawn by before the slots' rows were filtered together (verbatim)."""
     logits = logits.clone()
