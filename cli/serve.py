@@ -8,7 +8,7 @@
     POST /v1/completions        prompt (a string, strings, ids or lists of ids), the same settings, echo, logprobs
                                 (each id's log-probability and the k likeliest: what lm-evaluation-harness scores by)
     GET  /v1/models             the one model served (/v1/models/{id}: it, or 404)
-    GET  /health                {"status": "ok", "active": n, "waiting": m} (no key needed)
+    GET  /health                {"status": "ok", "active": n, "waiting": m, ..., "free_slots": the KV pool's} (no key needed)
 
 A reply is what `python -m checkpoint chat` gives for the same messages and settings: the conversation
 rendered with the run's own chat template, ids generated with the KV cache under inference mode
@@ -649,7 +649,7 @@ class Engine:
     def counts(self) -> dict:
         with self.cond:
             return {"active": len(self.active), "waiting": len(self.waiting), "slots": self.slots, "queue": self.queue,
-                    "served": self.served, "cancelled": self.cancelled}
+                    "served": self.served, "cancelled": self.cancelled, "free_slots": len(self.pool.free)}  # the KV pool's
 
     def _run(self) -> None:
         from model.generate import Generation, step_together

@@ -410,7 +410,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_past_the_queue_a_req
                 next(first.iter_lines())  # the first chunk arrived; then this client goes away
             launch.wait_for(lambda: server.health()["active"] == 0, timeout=60)
             assert server.health() | {"active": 0} == {"status": "ok", "active": 0, "waiting": 0, "slots": 1, "queue": 1, "served": 0,
-                                                         "cancelled": 1}
+                                                         "cancelled": 1, "free_slots": 1}
             # a slot held by a long stream that is not read, one request waiting: the next gets 429
             with http.stream("POST", "/v1/chat/completions", json=long) as holder:
                 waiting = []
@@ -423,6 +423,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_past_the_queue_a_req
                 assert holder.status_code == 200
             thread.join(timeout=120)
             assert waiting and waiting[0].status_code == 200
+            launch.wait_for(lambda: server.health()["active"] == 0, timeout=60)
+            assert server.health()["free_slots"] == 1  # every reply's KV slot back in the pool
     finally:
         server.stop()
 
