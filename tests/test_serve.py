@@ -304,7 +304,7 @@ def test_past_the_queue_limit_a_request_gets_429_and_a_cancelled_one_frees_its_s
             time.sleep(0.01)
     finally:
         engine.close()
-    assert engine.counts() | {"active": 0} == {"active": 0, "waiting": 0, "slots": 1, "queue": 1, "served": 1, "cancelled": 1}
+    assert engine.counts() | {"active": 0} == {"active": 0, "waiting": 0, "slots": 1, "queue": 1, "served": 1, "cancelled": 1, "free_slots": 1}
     assert len(first) == 1 and first[0][0] == "delta"
 
 
