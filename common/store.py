@@ -159,7 +159,7 @@ class Store:
 
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
-        self._client = None
+        self._client = self._signed = None
         self._lock = threading.Lock()
         self.bytes_read: dict[str, int] = {}
         """Bytes of each object's body this process has read (GET, ranged GET, streamed): the client's
@@ -169,23 +169,38 @@ class Store:
 
     @property
     def client(self):
+        """The client of every request but one (its payload unsigned: see `_make`)."""
         with self._lock:
             if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                session = boto3.session.Session()
-                region = session.region_name or "us-east-1"
-                # Our own retries (logged, bounded); botocore's CRC on every upload off: we send SHA-256 ourselves.
-                # Every body we upload carries its SHA-256 (x-amz-checksum-sha256, a signed header the store checks
-                # the bytes against: `put`, `part`), so the signature does not hash the body a second time
-                # (payload_signing_enabled off: what botocore itself does over https for a body with a checksum;
-                # over http it would hash every byte again for the signature).
-                config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60,
-                                max_pool_connections=32, s3={"addressing_style": "path", "payload_signing_enabled": False},
-                                request_checksum_calculation="when_required", response_checksum_validation="when_required")
-                self._client = session.client("s3", region_name=region, config=config)
+                self._client = self._make(sign_payload=False)
             return self._client
+
+    @property
+    def signed(self):
+        """The client of the request whose body carries no SHA-256 of its own (CompleteMultipartUpload's
+        list of parts): its signature hashes the body, so bytes damaged on their way are refused
+        (XAmzContentSHA256Mismatch, retried) as an upload's are against its checksum."""
+        with self._lock:
+            if self._signed is None:
+                self._signed = self._make(sign_payload=True)
+            return self._signed
+
+    @staticmethod
+    def _make(sign_payload: bool):
+        import boto3
+        from botocore.config import Config
+
+        session = boto3.session.Session()
+        region = session.region_name or "us-east-1"
+        # Our own retries (logged, bounded); botocore's CRC on every upload off: we send SHA-256 ourselves.
+        # Every object and part we upload carries its SHA-256 (x-amz-checksum-sha256, a signed header the store
+        # checks the bytes against: `put`, `part`), so the signature need not hash those bodies a second time
+        # (payload_signing_enabled off: what botocore itself does over https for a body with a checksum; over
+        # http it would hash every byte again). A body without a checksum of its own goes by `signed`.
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60,
+                        max_pool_connections=32, s3={"addressing_style": "path", "payload_signing_enabled": sign_payload},
+                        request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        return session.client("s3", region_name=region, config=config)
 
     @property
     def endpoint(self) -> str:
@@ -387,7 +402,8 @@ class Store:
         return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": sha}
 
     def complete(self, key: str, upload_id: str, parts: list[dict]) -> str:
-        return self.call("COMPLETE-MULTIPART", key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=key,
+        """The upload made the object `key` of `parts` (their list sent by `signed`: its body bound to the request)."""
+        return self.call("COMPLETE-MULTIPART", key, self.signed.complete_multipart_upload, Bucket=self.bucket, Key=key,
                          UploadId=upload_id, MultipartUpload={"Parts": parts})["ETag"]
 
     def abort(self, key: str, upload_id: str) -> None:

@@ -123,7 +123,8 @@ class FaultProxy:
     error (throttling, a 5xx) and forwards the rest byte for byte (a request's signature covers its
     Host header, which the proxy passes on unchanged). `plan(method, path, n)` -> a status to answer
     with instead of forwarding (n counts the requests so far), or None; `damage(method, path, body)`
-    -> the body forwarded instead (bytes damaged on their way), where given."""
+    -> the body forwarded instead (bytes damaged on their way), where given. `bodies`: (method, path,
+    headers lower-cased, sha256 hex of the body as it came from the client) of each request with a body."""
 
     def __init__(self, target: Seaweed, plan, damage=None) -> None:
         import http.server
@@ -132,6 +133,7 @@ class FaultProxy:
         proxy = self
         self.plan, self.damage, self.count, self.injected, self.sent = plan, damage, 0, [], 0
         self.sent_for: dict[str, int] = {}
+        self.bodies: list[tuple[str, str, dict[str, str], str]] = []
         """Bytes of the bodies sent back, per request path (`/BUCKET/KEY`, without the query)."""
         self._lock = threading.Lock()
         port = target.ports["s3.port"]
@@ -147,6 +149,12 @@ class FaultProxy:
 
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.count += 1
+                if body:
+                    import hashlib
+
+                    with proxy._lock:
+                        proxy.bodies.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()},
+                                             hashlib.sha256(body).hexdigest()))
                 status = proxy.plan(self.command, self.path, proxy.count)
                 if status:
                     proxy.injected.append((self.command, self.path, status))

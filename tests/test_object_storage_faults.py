@@ -126,6 +126,58 @@ def test_bytes_damaged_on_their_way_are_refused_by_the_store_sent_again_and_the_
     assert torch.equal(fresh.weight, model.weight) and loaded["counter"].value == 7
 
 
+@pytest.mark.unit
+def test_every_body_sent_to_the_store_is_bound_to_its_request_by_the_sha256_of_its_bytes(s3_server, url, monkeypatch, tmp_path):
+    """The signature hashes no upload's body (payload signing off, common/store.py), so each request with a
+    body carries the SHA-256 of its bytes in a signed header: x-amz-checksum-sha256 (an object, a part: the
+    store checks it), or the signed payload hash itself (x-amz-content-sha256: CompleteMultipartUpload's list
+    of parts, which has no checksum of its own). Checked on the bytes as they came through a proxy, for every
+    request of the paths a run sends: the lease, a save's parts and small objects, the multipart completions,
+    the manifest, the pointer created then swapped, a cache file's upload (one put, one multipart)."""
+    import base64
+    import hashlib
+
+    import seaweed
+    import torch
+
+    import common.store
+    from checkpoint import CheckpointConfig, CheckpointManager, ModelState
+    from test_checkpoint_manager import Counter, OneProcess, Train, meta
+
+    proxy = seaweed.FaultProxy(s3_server, lambda method, path, n: None)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setattr(common.store, "_stores", {})  # this process's clients made again, through the proxy
+        run = RemotePath(url)
+        lease = common.store.Lease(run.store, (run / "lease.json").key).acquire(10)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1600, 1600)  # 10 MB of fp32 state: a multipart upload of two parts
+        mgr = CheckpointManager(CheckpointConfig(keep=2), url, OneProcess(), meta())
+        assert mgr.load({}) is None
+        for step in (1, 2, 3):  # the pointer created, then moved by compare-and-swap
+            mgr.save(step, {"model": ModelState(model), "counter": Counter(step), "train": Train(step)}, background=False)
+        mgr.close()
+        lease.release()
+        for name, size in (("small.bin", 1000), ("big.bin", 9 << 20)):  # a packed cache's file (data/prepare.py)
+            data = os.urandom(size)
+            (tmp_path / name).write_bytes(data)
+            run.store.upload((run / name).key, tmp_path / name, hashlib.sha256(data).hexdigest())
+    finally:
+        proxy.close()
+    kinds, unbound = set(), []
+    for method, path, headers, sha in proxy.bodies:
+        signed = headers.get("authorization", "").split("SignedHeaders=")[1].split(",")[0].split(";")
+        by_checksum = headers.get("x-amz-checksum-sha256") == base64.b64encode(bytes.fromhex(sha)).decode() \
+            and "x-amz-checksum-sha256" in signed
+        by_signature = headers.get("x-amz-content-sha256") == sha and "x-amz-content-sha256" in signed
+        if not (by_checksum or by_signature):
+            unbound.append((method, path, headers.get("x-amz-content-sha256"), headers.get("x-amz-checksum-sha256")))
+        kinds.add("part" if "partNumber=" in path else "complete" if "uploadId=" in path else
+                  path.split("?")[0].rsplit("/", 1)[1] if method == "PUT" else method)
+    assert not unbound, unbound
+    assert {"part", "complete", "lease.json", "manifest.json", "latest.json", "small.bin"} <= kinds, kinds
+
+
 BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
 """A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
 
