@@ -347,22 +347,35 @@ class Store:
 
     def upload(self, key: str, path, sha256: str) -> None:
         """The local file `path` as the object `key`: one PUT under a part's size, else a multipart
-        upload of PART-sized parts; the store checks each part's (or the whole's) SHA-256."""
+        upload of PART-sized parts; the store checks each part's (or the whole's) SHA-256, and the
+        whole's bytes as read must hash to `sha256` (its record) before the object is made: a file
+        changed on this disk since it was hashed is refused (StoreError naming it), never uploaded."""
         size = os.path.getsize(path)
+        whole = hashlib.sha256()
         with open(path, "rb") as f:
             if size <= PART:
-                self.put(key, f.read(), sha256=sha256)
+                data = f.read()
+                whole.update(data)
+                self._same(path, key, whole, sha256)
+                self.put(key, data, sha256=sha256)
                 return
             upload_id = self.begin(key)
             try:
                 parts, number = [], 1
                 while block := f.read(PART):
+                    whole.update(block)
                     parts.append(self.part(key, upload_id, number, memoryview(block)))
                     number += 1
+                self._same(path, key, whole, sha256)
                 self.complete(key, upload_id, parts)
             except BaseException:
                 self.abort(key, upload_id)
                 raise
+
+    def _same(self, path, key: str, whole, sha256: str) -> None:
+        if whole.hexdigest() != sha256:
+            raise StoreError(f"{path}: its bytes hash to {whole.hexdigest()[:16]}..., not the {sha256[:16]}... recorded for "
+                             f"{self.url(key)}: the file changed since it was hashed; not uploaded")
 
     def download(self, key: str, dest, sha256: str) -> str | None:
         """The object `key` into the local file `dest` (atomically), hashed as it comes down: kept only

@@ -178,6 +178,33 @@ def test_every_body_sent_to_the_store_is_bound_to_its_request_by_the_sha256_of_i
     assert {"part", "complete", "lease.json", "manifest.json", "latest.json", "small.bin"} <= kinds, kinds
 
 
+@pytest.mark.unit
+def test_a_file_changed_on_disk_since_it_was_hashed_is_never_uploaded_as_its_record(s3_server, url, tmp_path):
+    """Store.upload (a packed cache's files, data/prepare.py) sends a local file under the sha256 recorded
+    for it: bytes that no longer hash to it (one byte changed since) are refused before the object is made,
+    one PUT or a multipart upload alike (whose parts carry only their own checksums), naming the file; no
+    object and no unfinished upload is left. The unchanged file goes up and comes back the same."""
+    import hashlib
+
+    from common.store import StoreError
+
+    run = RemotePath(url)
+    for name, size in (("small.bin", 1000), ("big.bin", 9 << 20)):  # one PUT; two parts
+        data = bytearray(os.urandom(size))
+        path = tmp_path / name
+        path.write_bytes(data)
+        recorded = hashlib.sha256(data).hexdigest()
+        data[size // 2] ^= 1
+        path.write_bytes(data)  # changed after it was hashed
+        with pytest.raises(StoreError, match=f"{name}: its bytes hash to .* not the {recorded[:16]}"):
+            run.store.upload((run / name).key, path, recorded)
+        assert run.store.head((run / name).key) is None and run.store.uploads(f"{run.key}/") == []
+        data[size // 2] ^= 1
+        path.write_bytes(data)
+        run.store.upload((run / name).key, path, recorded)
+        assert run.store.get((run / name).key)[0] == bytes(data)
+
+
 BIG = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"]
 """A model whose state files are several multipart parts each (tens of MB): an upload is under way long enough to be killed in."""
 
