@@ -285,6 +285,10 @@ class RemoteStore:
             if not key.endswith(f"/{PRUNING}"):
                 self.store.delete(key)
         self.store.delete((folder / PRUNING).key)
+        # Gone: neither its manifest (read above) nor its objects (in the start's listing) are remembered, so a
+        # step named later (checkpoint.resume) is found missing, as the store says, not as this store read it.
+        self._manifests.pop(folder.url, None)
+        self._listing = {k: v for k, v in self._listing.items() if not k.startswith(f"{folder.key}/")}
 
 
 def split(url: str) -> tuple[str, str | None]:

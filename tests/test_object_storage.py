@@ -98,6 +98,25 @@ def test_a_writer_whose_pointer_moved_since_it_looked_is_refused_and_prunes_noth
 
 
 @pytest.mark.unit
+def test_a_step_whose_cut_short_prune_the_start_finished_is_not_found_again_by_its_name(url):
+    """The start finishes a prune cut short (the step's files, then its manifest, deleted): a
+    checkpoint.resume naming that step finds no manifest there (a step exists only if its manifest
+    exists), not the one the start read to delete its files nor those files in the start's listing."""
+    mgr = manager(url, keep=10)
+    assert mgr.load(states()) is None
+    for step in (1, 2):
+        save(mgr, step)
+    mgr.close()
+    step1 = RemotePath(url) / storage.CHECKPOINTS / "step_00000001"
+    store_of(BUCKET).put((step1 / "pruning").key, b"")  # a prune cut short before it deleted anything
+    again = manager(url, resume=step1.url)
+    with pytest.raises(storage.CheckpointError, match=r"step_00000001/manifest.json: missing"):
+        again.load(states())
+    again.close()
+    assert not [k for k in keys(url) if "/step_00000001/" in k]  # the prune was finished
+
+
+@pytest.mark.unit
 def test_pruning_never_takes_the_pointers_target_nor_a_step_the_pointer_has_not_passed(url, monkeypatch):
     a = manager(url, keep=2)
     a.load(states())
